@@ -1,0 +1,81 @@
+"""The one configuration object: environment variables and `.env`, with per-profile defaults."""
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a friendly voice assistant. Your words are spoken aloud, so answer in one or two "
+    "short sentences of plain speech: no lists, no markdown, no emojis."
+)
+
+# Models the `gpu` profile uses when nothing else is configured (hub ids or baked-in directories).
+GPU_STT_MODEL = "large-v3-turbo"
+GPU_LLM_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+class Settings(BaseSettings):
+    """Every knob of the agent. Each field is also an environment variable (upper case)."""
+
+    model_config = SettingsConfigDict(env_file=".env", env_file_encoding="utf-8", extra="ignore")
+
+    profile: Literal["cpu", "gpu"] = "cpu"
+    device: str = Field("cpu", description="Default torch/CTranslate2 device for every stage.")
+    stt_device: str | None = Field(None, description="STT device; defaults to `device`.")
+    llm_device: str | None = Field(None, description="LLM device; defaults to `device`.")
+    tts_device: str | None = Field(None, description="TTS device; defaults to `device`.")
+
+    stt_model: str | None = Field(
+        None, description="faster-whisper model name or directory; default: bundled tiny.en (cpu)."
+    )
+    stt_compute_type: str = Field("default", description="CTranslate2 compute type (int8 on cpu).")
+    stt_language: str | None = Field("en", description="Spoken language; empty for auto-detect.")
+    stt_workers: int = Field(2, ge=1, description="Transcriptions run in parallel on the one model.")
+
+    llm_model: str | None = Field(
+        None, description="HF id, local directory or .gguf file; default: bundled SmolLM2 (cpu)."
+    )
+    llm_gguf_file: str | None = Field(None, description="GGUF file name inside `llm_model`.")
+    llm_dtype: str = Field("auto", description="torch dtype: auto, float32, bfloat16, float16.")
+    llm_max_new_tokens: int = Field(96, ge=1, description="Longest reply, in tokens.")
+    llm_temperature: float = Field(0.0, ge=0.0, description="0 = greedy.")
+    llm_max_batch: int = Field(16, ge=1, description="Requests decoded together per step.")
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+
+    tts_engine: Literal["piper"] = "piper"
+    tts_voice: str | None = Field(
+        None, description="Piper .onnx voice path; default: bundled en_US-joe-medium."
+    )
+    tts_workers: int = Field(2, ge=1, description="Sentences synthesized in parallel.")
+
+    vad_stop_secs: float = Field(0.2, gt=0, description="Silence before the turn detector runs.")
+
+    host: str = "127.0.0.1"
+    port: int = Field(7860, ge=1, le=65535)
+    cache_dir: Path = Field(
+        Path.home() / ".cache" / "voice-agent", description="Converted models (GGUF → HF)."
+    )
+    hf_token: SecretStr | None = Field(None, description="For gated hub models; never logged.")
+
+    @model_validator(mode="after")
+    def _fill_profile_defaults(self) -> "Settings":
+        from services import bundled
+
+        self.stt_device = self.stt_device or self.device
+        self.llm_device = self.llm_device or self.device
+        self.tts_device = self.tts_device or self.device
+        if self.stt_model is None:
+            self.stt_model = (
+                GPU_STT_MODEL if self.profile == "gpu" else str(bundled.whisper_tiny_en())
+            )
+        if self.llm_model is None:
+            self.llm_model = GPU_LLM_MODEL if self.profile == "gpu" else str(bundled.smollm2_gguf())
+        if self.tts_voice is None:
+            self.tts_voice = str(bundled.piper_joe())
+        if self.stt_compute_type == "default" and self.stt_device == "cpu":
+            self.stt_compute_type = "int8"
+        if self.stt_language == "":
+            self.stt_language = None
+        return self

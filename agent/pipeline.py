@@ -1,0 +1,99 @@
+"""Assembles one conversation: a transport plus the shared engines → a Pipecat pipeline worker."""
+
+from dataclasses import dataclass
+
+from pipecat.audio.vad.silero import SileroVADAnalyzer
+from pipecat.audio.vad.vad_analyzer import VADParams
+from pipecat.observers.base_observer import BaseObserver
+from pipecat.pipeline.pipeline import Pipeline
+from pipecat.pipeline.worker import PipelineParams, PipelineWorker
+from pipecat.processors.aggregators.llm_context import LLMContext
+from pipecat.processors.aggregators.llm_response_universal import (
+    LLMAssistantAggregator,
+    LLMContextAggregatorPair,
+    LLMUserAggregator,
+    LLMUserAggregatorParams,
+)
+from pipecat.transports.base_transport import BaseTransport
+
+from agent.config import Settings
+from agent.engines import Engines
+from agent.turn_metrics import TurnMetricsObserver
+from frames.audio_guard import InputAudioGuard
+from frames.llm import TransformersLLMService
+from frames.stt import WhisperSTTService
+from frames.tts import PiperTTSService
+
+AUDIO_IN_SAMPLE_RATE = 16000  # what Silero, smart-turn and Whisper all want
+AUDIO_OUT_SAMPLE_RATE = 24000  # Orpheus' native rate; transports resample for their codec
+
+
+@dataclass
+class Conversation:
+    """One user's session: per-session processors around the process-wide engines."""
+
+    worker: PipelineWorker
+    context: LLMContext
+    guard: InputAudioGuard
+    stt: WhisperSTTService
+    user_aggregator: LLMUserAggregator
+    llm: TransformersLLMService
+    tts: PiperTTSService
+    assistant_aggregator: LLMAssistantAggregator
+    turns: TurnMetricsObserver
+
+
+def build_conversation(
+    transport: BaseTransport,
+    engines: Engines,
+    settings: Settings,
+    *,
+    observers: list[BaseObserver] | None = None,
+) -> Conversation:
+    context = LLMContext()
+    user_aggregator, assistant_aggregator = LLMContextAggregatorPair(
+        context,
+        user_params=LLMUserAggregatorParams(
+            vad_analyzer=SileroVADAnalyzer(params=VADParams(stop_secs=settings.vad_stop_secs)),
+            # Default turn strategies: start on VAD or transcript, stop when smart-turn v3.2
+            # (local ONNX) judges the turn complete.
+        ),
+    )
+    guard = InputAudioGuard()
+    stt = WhisperSTTService(engines.stt)
+    llm = TransformersLLMService(engines.llm, system_prompt=settings.system_prompt)
+    tts = PiperTTSService(engines.tts)
+    pipeline = Pipeline(
+        [
+            transport.input(),
+            guard,
+            stt,
+            user_aggregator,
+            llm,
+            tts,
+            transport.output(),
+            assistant_aggregator,
+        ]
+    )
+    turns = TurnMetricsObserver()
+    worker = PipelineWorker(
+        pipeline,
+        params=PipelineParams(
+            audio_in_sample_rate=AUDIO_IN_SAMPLE_RATE,
+            audio_out_sample_rate=AUDIO_OUT_SAMPLE_RATE,
+            enable_metrics=True,
+            enable_usage_metrics=True,
+        ),
+        observers=[turns, *(observers or [])],
+    )
+    return Conversation(
+        worker=worker,
+        context=context,
+        guard=guard,
+        stt=stt,
+        user_aggregator=user_aggregator,
+        llm=llm,
+        tts=tts,
+        assistant_aggregator=assistant_aggregator,
+        turns=turns,
+    )

@@ -1,0 +1,66 @@
+"""Per-turn latency of one conversation: STT, LLM first token, TTS first audio and voice-to-voice."""
+
+from dataclasses import dataclass
+
+from pipecat.frames.frames import (
+    BotStartedSpeakingFrame,
+    MetricsFrame,
+    UserStartedSpeakingFrame,
+    VADUserStoppedSpeakingFrame,
+)
+from pipecat.metrics.metrics import TTFBMetricsData
+from pipecat.observers.base_observer import BaseObserver, FramePushed
+from pipecat.services.llm_service import LLMService
+from pipecat.services.stt_service import STTService
+from pipecat.services.tts_service import TTSService
+
+
+@dataclass
+class TurnLatency:
+    """Seconds, on the pipeline clock. `None` where a stage did not run in this turn."""
+
+    user_speech_ended: float
+    stt: float | None = None  # end of speech (VAD stop) → final transcript
+    llm_first_token: float | None = None  # request → first token
+    tts_first_audio: float | None = None  # first sentence in → first audio out
+    voice_to_voice: float | None = None  # end of user speech → first bot audio played
+
+
+class TurnMetricsObserver(BaseObserver):
+    """Collects a TurnLatency for every user turn the bot answered."""
+
+    def __init__(self):
+        super().__init__()
+        self.turns: list[TurnLatency] = []
+        self.user_turn_started_at: list[float] = []  # pipeline clock, seconds
+        self.bot_started_at: list[float] = []
+        self._pending: TurnLatency | None = None
+
+    async def on_push_frame(self, data: FramePushed):
+        frame, now = data.frame, data.timestamp / 1e9
+        if not data.first_push:
+            return
+        if isinstance(frame, VADUserStoppedSpeakingFrame):
+            # Silero reports the stop after `stop_secs` of silence: the speech ended earlier.
+            self._pending = TurnLatency(user_speech_ended=now - frame.stop_secs)
+        elif isinstance(frame, UserStartedSpeakingFrame):
+            self.user_turn_started_at.append(now)
+        elif isinstance(frame, BotStartedSpeakingFrame):
+            self.bot_started_at.append(now)
+            if self._pending is not None:
+                self._pending.voice_to_voice = now - self._pending.user_speech_ended
+                self.turns.append(self._pending)
+                self._pending = None
+        elif isinstance(frame, MetricsFrame):
+            turn = self._pending or (self.turns[-1] if self.turns else None)
+            if turn is None:
+                return
+            for metric in frame.data:
+                if not isinstance(metric, TTFBMetricsData) or not metric.value:
+                    continue
+                if isinstance(data.source, STTService) and turn.stt is None:
+                    turn.stt = metric.value
+                elif isinstance(data.source, LLMService) and turn.llm_first_token is None:
+                    turn.llm_first_token = metric.value
+                elif isinstance(data.source, TTSService) and turn.tts_first_audio is None:
+                    turn.tts_first_audio = metric.value

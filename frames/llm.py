@@ -1,0 +1,91 @@
+"""Pipecat LLM service over the shared TransformersLLMEngine."""
+
+from loguru import logger
+from pipecat.frames.frames import (
+    Frame,
+    LLMContextFrame,
+    LLMFullResponseEndFrame,
+    LLMFullResponseStartFrame,
+)
+from pipecat.processors.aggregators.llm_context import LLMContext
+from pipecat.processors.frame_processor import FrameDirection
+from pipecat.services.llm_service import LLMService
+from pipecat.services.settings import LLMSettings
+
+from services.llm import TransformersLLMEngine
+
+
+class TransformersLLMService(LLMService):
+    """Streams a reply for each context the user aggregator sends.
+
+    Interruption cancels the task running `process_frame`; leaving the engine's stream early
+    cancels the request inside the shared batch, so no tokens are spent on a reply nobody hears.
+    """
+
+    def __init__(self, engine: TransformersLLMEngine, *, system_prompt: str, **kwargs):
+        super().__init__(
+            settings=LLMSettings(
+                model=engine.name,
+                system_instruction=system_prompt,
+                temperature=None,
+                max_tokens=engine.max_new_tokens,
+                top_p=None,
+                top_k=None,
+                frequency_penalty=None,
+                presence_penalty=None,
+                seed=None,
+                filter_incomplete_user_turns=False,
+                user_turn_completion_config=None,
+            ),
+            **kwargs,
+        )
+        self._engine = engine
+        self.request_ids: list[str] = []  # every engine request this session made, in order
+        self.last_messages: list[dict] = []  # the prompt of the latest request
+
+    def can_generate_metrics(self) -> bool:
+        return True
+
+    async def chat_messages(self, context: LLMContext) -> list[dict]:
+        """The context as plain {role, content: str} messages for a chat template."""
+        params = await self.get_llm_adapter().get_llm_invocation_params(
+            context,
+            system_instruction=self._settings.system_instruction,
+            convert_developer_to_user=False,
+        )
+        messages = []
+        for message in params["messages"]:
+            role = message.get("role")
+            if role not in ("system", "developer", "user", "assistant"):
+                continue  # tool calls are not supported by the local engine yet
+            content = message.get("content") or ""
+            if not isinstance(content, str):  # multi-part content: keep the text parts
+                content = " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+            messages.append({"role": "system" if role == "developer" else role, "content": content})
+        return messages
+
+    async def process_frame(self, frame: Frame, direction: FrameDirection):
+        await super().process_frame(frame, direction)
+        if not isinstance(frame, LLMContextFrame):
+            await self.push_frame(frame, direction)
+            return
+        await self.push_frame(LLMFullResponseStartFrame())
+        await self.start_processing_metrics()
+        await self.start_ttfb_metrics()
+        try:
+            messages = await self.chat_messages(frame.context)
+            self.last_messages = messages
+            request_id = f"{self.name}-{len(self.request_ids)}"
+            self.request_ids.append(request_id)
+            first = True
+            async for text in self._engine.stream(messages, request_id=request_id):
+                if first:
+                    await self.stop_ttfb_metrics()
+                    first = False
+                await self._push_llm_text(text)
+        except Exception as e:  # the engine failed this request; the conversation goes on
+            logger.exception(f"{self}: generation failed")
+            await self.push_error(error_msg=f"LLM failed: {e}", exception=e)
+        finally:
+            await self.stop_processing_metrics()
+            await self.push_frame(LLMFullResponseEndFrame())

@@ -1,0 +1,53 @@
+"""Piper text-to-speech engine (the CPU profile's voice): one voice model shared by every conversation."""
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from piper import PiperVoice, SynthesisConfig
+
+from services.audio import float_to_pcm16
+
+
+class PiperEngine:
+    """Streams PCM16 one sentence at a time, so the first sentence plays while the next is synthesized.
+
+    espeak-ng (phonemization) keeps global state and is not thread-safe, so it runs under a lock;
+    the ONNX voice model is thread-safe and runs on a bounded pool shared by all conversations.
+    """
+
+    def __init__(self, voice_path: str | Path, *, workers: int = 2, use_cuda: bool = False):
+        self.voice_path = Path(voice_path)
+        self._voice = PiperVoice.load(self.voice_path, use_cuda=use_cuda)
+        self.sample_rate: int = self._voice.config.sample_rate
+        self._phonemize_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="piper")
+        self._config = SynthesisConfig()
+        self.syntheses = 0  # lifetime count of sentences synthesized
+
+    def _phonemize(self, text: str) -> list[list[str]]:
+        with self._phonemize_lock:
+            return self._voice.phonemize(text)
+
+    def _sentence_audio(self, phonemes: list[str]) -> bytes:
+        ids = self._voice.phonemes_to_ids(phonemes)
+        audio = self._voice.phoneme_ids_to_audio(ids, self._config)
+        self.syntheses += 1
+        return float_to_pcm16(audio)
+
+    async def stream(self, text: str) -> AsyncIterator[bytes]:
+        """Yield mono PCM16 at `self.sample_rate`, one chunk per sentence of `text`."""
+        loop = asyncio.get_running_loop()
+        sentences = await loop.run_in_executor(self._pool, self._phonemize, text)
+        for phonemes in sentences:
+            if phonemes:
+                yield await loop.run_in_executor(self._pool, self._sentence_audio, phonemes)
+
+    async def synthesize(self, text: str) -> bytes:
+        """All of `text` as one PCM16 buffer."""
+        return b"".join([chunk async for chunk in self.stream(text)])
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
