@@ -25,9 +25,14 @@ class PlayedChunk:
 
 
 class MemoryInput(BaseInputTransport):
+    def __init__(self, params: TransportParams, **kwargs):
+        super().__init__(params, **kwargs)
+        self.started = asyncio.Event()  # set once the pipeline is running
+
     async def start(self, frame: StartFrame):
         await super().start(frame)
         await self.set_transport_ready(frame)
+        self.started.set()
 
     async def speak(self, pcm: bytes, sample_rate: int, *, realtime: bool = True) -> None:
         """Feed mono PCM16 as 20 ms frames, paced like a live microphone when `realtime`."""

@@ -15,6 +15,7 @@ from pipecat.processors.aggregators.llm_response_universal import (
     LLMUserAggregatorParams,
 )
 from pipecat.transports.base_transport import BaseTransport
+from pipecat.workers.runner import WorkerRunner
 
 from agent.config import Settings
 from agent.engines import Engines
@@ -97,3 +98,10 @@ def build_conversation(
         assistant_aggregator=assistant_aggregator,
         turns=turns,
     )
+
+
+async def run_conversation(conversation: Conversation) -> None:
+    """Run one conversation until its transport ends it (or it is cancelled)."""
+    runner = WorkerRunner(handle_sigint=False)  # the server owns the process' signals
+    await runner.add_workers(conversation.worker)
+    await runner.run()

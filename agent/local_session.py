@@ -1,0 +1,64 @@
+"""A conversation driven from Python over the in-memory transport (tests, benchmarks, scripted demos)."""
+
+import asyncio
+
+from pipecat.frames.frames import EndFrame, InputAudioRawFrame
+
+from agent.config import Settings
+from agent.engines import Engines
+from agent.memory_transport import MemoryTransport, PlayedChunk
+from agent.pipeline import Conversation, build_conversation, run_conversation
+
+
+class LocalSession:
+    """`async with LocalSession(engines, settings) as s: await s.speak(pcm16_16k)`.
+
+    The user's audio goes in at real-time pace; what the bot played is in `s.played`.
+    """
+
+    def __init__(self, engines: Engines, settings: Settings):
+        self.transport = MemoryTransport()
+        self.conversation: Conversation = build_conversation(self.transport, engines, settings)
+        self._task: asyncio.Task | None = None
+
+    async def __aenter__(self) -> "LocalSession":
+        self._task = asyncio.create_task(run_conversation(self.conversation))
+        await asyncio.wait_for(self.transport.input().started.wait(), timeout=30)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
+    async def stop(self) -> None:
+        if self._task is None:
+            return
+        if not self._task.done():
+            await self.conversation.worker.queue_frame(EndFrame())
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), timeout=10)
+            except TimeoutError:
+                await self.conversation.worker.cancel()
+                await self._task
+        self._task = None
+
+    def now(self) -> float:
+        """Pipeline clock, seconds: the time base of `played` and the turn metrics."""
+        return self.transport.output().get_clock().get_time() / 1e9
+
+    async def speak(self, pcm: bytes, sample_rate: int = 16000) -> None:
+        await self.transport.input().speak(pcm, sample_rate)
+
+    async def silence(self, seconds: float) -> None:
+        await self.transport.input().silence(seconds)
+
+    async def send(self, frame: InputAudioRawFrame) -> None:
+        """Push one raw input frame as a (possibly broken) client would."""
+        await self.transport.input().push_audio_frame(frame)
+
+    @property
+    def played(self) -> list[PlayedChunk]:
+        return self.transport.output().played
+
+    def played_audio(self, start: float = 0.0, end: float = float("inf")) -> bytes:
+        """Bot audio whose playback started in [start, end) on the pipeline clock."""
+        return b"".join(c.audio for c in self.played if start <= c.started_at < end)

@@ -1,0 +1,33 @@
+"""Session-wide fixtures: each model is loaded once per test process and shared by every test."""
+
+import pytest
+
+from agent.config import Settings
+from agent.engines import Engines, load_engines_warm
+from tests.speech import speak_16k
+
+
+@pytest.fixture(scope="session")
+def settings() -> Settings:
+    # The default cache dir keeps the GGUF → HF conversion across runs.
+    return Settings(_env_file=None)
+
+
+@pytest.fixture(scope="session")
+async def engines(settings) -> Engines:
+    engines = await load_engines_warm(settings)
+    yield engines
+    engines.close()
+
+
+@pytest.fixture(scope="session")
+def say(engines):
+    """`await say("text")` → PCM16 at 16 kHz, cached per text."""
+    cache: dict[str, bytes] = {}
+
+    async def _say(text: str) -> bytes:
+        if text not in cache:
+            cache[text] = await speak_16k(engines.tts, text)
+        return cache[text]
+
+    return _say

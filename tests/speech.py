@@ -1,0 +1,29 @@
+"""Real speech for tests: the user's words spoken by the bundled Piper voice, and word error rate."""
+
+import re
+
+import jiwer
+import numpy as np
+import soxr
+
+from services.tts_piper import PiperEngine
+
+
+async def speak_16k(tts: PiperEngine, text: str) -> bytes:
+    """`text` spoken by Piper as mono PCM16 at 16 kHz, the rate a microphone transport delivers."""
+    pcm = await tts.synthesize(text)
+    audio = np.frombuffer(pcm, dtype=np.int16).astype(np.float32)
+    return soxr.resample(audio, tts.sample_rate, 16000).astype(np.int16).tobytes()
+
+
+def normalize(text: str) -> str:
+    text = text.lower().replace("-", " ")
+    text = re.sub(r"[^a-z0-9' ]+", " ", text)
+    return " ".join(text.split())
+
+
+def wer(reference: str, hypothesis: str) -> float:
+    reference, hypothesis = normalize(reference), normalize(hypothesis)
+    if not reference:
+        return 0.0 if not hypothesis else 1.0
+    return jiwer.wer(reference, hypothesis)
