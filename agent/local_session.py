@@ -2,7 +2,7 @@
 
 import asyncio
 
-from pipecat.frames.frames import EndFrame, InputAudioRawFrame
+from pipecat.frames.frames import InputAudioRawFrame
 
 from agent.config import Settings
 from agent.engines import Engines
@@ -33,12 +33,9 @@ class LocalSession:
         if self._task is None:
             return
         if not self._task.done():
-            await self.conversation.worker.queue_frame(EndFrame())
-            try:
-                await asyncio.wait_for(asyncio.shield(self._task), timeout=10)
-            except TimeoutError:
-                await self.conversation.worker.cancel()
-                await self._task
+            # Cancel, not EndFrame: an EndFrame would wait for the bot to finish talking.
+            await self.conversation.worker.cancel(reason="local session closed")
+            await self._task
         self._task = None
 
     def now(self) -> float:

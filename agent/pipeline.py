@@ -62,7 +62,9 @@ def build_conversation(
     )
     guard = InputAudioGuard()
     stt = WhisperSTTService(engines.stt)
-    llm = TransformersLLMService(engines.llm, system_prompt=settings.system_prompt)
+    llm = TransformersLLMService(
+        engines.llm, system_prompt=settings.system_prompt, max_tokens=settings.llm_max_new_tokens
+    )
     tts = PiperTTSService(engines.tts)
     pipeline = Pipeline(
         [

@@ -22,13 +22,15 @@ class TransformersLLMService(LLMService):
     cancels the request inside the shared batch, so no tokens are spent on a reply nobody hears.
     """
 
-    def __init__(self, engine: TransformersLLMEngine, *, system_prompt: str, **kwargs):
+    def __init__(
+        self, engine: TransformersLLMEngine, *, system_prompt: str, max_tokens: int | None = None, **kwargs
+    ):
         super().__init__(
             settings=LLMSettings(
                 model=engine.name,
                 system_instruction=system_prompt,
                 temperature=None,
-                max_tokens=engine.max_new_tokens,
+                max_tokens=max_tokens or engine.max_new_tokens,
                 top_p=None,
                 top_k=None,
                 frequency_penalty=None,
@@ -41,7 +43,8 @@ class TransformersLLMService(LLMService):
         )
         self._engine = engine
         self.request_ids: list[str] = []  # every engine request this session made, in order
-        self.last_messages: list[dict] = []  # the prompt of the latest request
+        self.prompts: list[list[dict]] = []  # the messages of each request, in order
+        self.replies: list[str] = []  # the full text generated for each request (even if unheard)
 
     def can_generate_metrics(self) -> bool:
         return True
@@ -74,14 +77,18 @@ class TransformersLLMService(LLMService):
         await self.start_ttfb_metrics()
         try:
             messages = await self.chat_messages(frame.context)
-            self.last_messages = messages
             request_id = f"{self.name}-{len(self.request_ids)}"
             self.request_ids.append(request_id)
+            self.prompts.append(messages)
+            self.replies.append("")
             first = True
-            async for text in self._engine.stream(messages, request_id=request_id):
+            async for text in self._engine.stream(
+                messages, request_id=request_id, max_new_tokens=self._settings.max_tokens
+            ):
                 if first:
                     await self.stop_ttfb_metrics()
                     first = False
+                self.replies[-1] += text
                 await self._push_llm_text(text)
         except Exception as e:  # the engine failed this request; the conversation goes on
             logger.exception(f"{self}: generation failed")

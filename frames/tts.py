@@ -1,13 +1,30 @@
-"""Pipecat TTS service over the shared PiperEngine."""
+"""Pipecat TTS service over the shared PiperEngine, with word timing so interruptions cut the context exactly."""
 
 from collections.abc import AsyncGenerator
 
 from loguru import logger
-from pipecat.frames.frames import ErrorFrame, Frame
+from pipecat.frames.frames import ErrorFrame, Frame, TTSAudioRawFrame
 from pipecat.services.settings import TTSSettings
 from pipecat.services.tts_service import TTSService
 
 from services.tts_piper import PiperEngine
+
+
+def estimate_word_times(text: str, start: float, duration: float) -> list[tuple[str, float]]:
+    """Spread the words of `text` over `duration` seconds in proportion to their length.
+
+    Piper gives no word timings. Without any, Pipecat adds a sentence to the context only
+    after all of it played, so a cut-in mid-sentence loses words that were heard; with these
+    estimates the context keeps the words that had started playing.
+    """
+    words = text.split()
+    weights = [len(w) + 1 for w in words]  # +1: the pause between words
+    total = sum(weights) or 1
+    times, elapsed = [], 0
+    for word, weight in zip(words, weights):
+        times.append((word, start + duration * elapsed / total))
+        elapsed += weight
+    return times
 
 
 class PiperTTSService(TTSService):
@@ -15,26 +32,40 @@ class PiperTTSService(TTSService):
 
     def __init__(self, engine: PiperEngine, **kwargs):
         super().__init__(
+            push_text_frames=False,  # text follows the audio word by word (word timestamps)
             push_start_frame=True,
             push_stop_frames=True,
             settings=TTSSettings(model=None, voice=engine.voice_path.stem, language=None),
             **kwargs,
         )
         self._engine = engine
+        # Seconds of audio already produced in each audio context: word timestamps count
+        # from the start of the context (one reply), not from the start of each sentence.
+        self._context_seconds: dict[str, float] = {}
 
     def can_generate_metrics(self) -> bool:
         return True
 
     async def run_tts(self, text: str, context_id: str) -> AsyncGenerator[Frame, None]:
         await self.start_tts_usage_metrics(text)
+        start = self._context_seconds.get(context_id, 0.0)
+        seconds = 0.0
         try:
             async for frame in self._stream_audio_frames_from_iterator(
                 self._engine.stream(text), in_sample_rate=self._engine.sample_rate, context_id=context_id
             ):
-                await self.stop_ttfb_metrics()
+                if isinstance(frame, TTSAudioRawFrame):
+                    seconds += len(frame.audio) / 2 / frame.sample_rate
                 yield frame
         except Exception as e:  # one failed sentence must not end the conversation
             logger.exception(f"{self}: synthesis failed for [{text}]")
             yield ErrorFrame(error=f"TTS failed: {e}")
-        finally:
-            await self.stop_ttfb_metrics()
+            return
+        self._context_seconds[context_id] = start + seconds
+        await self.add_word_timestamps(estimate_word_times(text, start, seconds), context_id)
+
+    async def on_audio_context_completed(self, context_id: str):
+        self._context_seconds.pop(context_id, None)
+
+    async def on_audio_context_interrupted(self, context_id: str):
+        self._context_seconds.pop(context_id, None)

@@ -38,6 +38,8 @@ class TransformersLLMEngine:
     inside the batch so its slot and KV cache are freed at once.
     """
 
+    loads = 0  # models loaded in this process: sessions must share, never add to this
+
     def __init__(
         self,
         model,
@@ -50,6 +52,7 @@ class TransformersLLMEngine:
         max_batch_requests: int = 16,
     ):
         self.name = name
+        TransformersLLMEngine.loads += 1
         self.model = model
         self.tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens

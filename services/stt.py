@@ -38,6 +38,8 @@ class WhisperEngine:
     instead of each conversation loading its own copy.
     """
 
+    loads = 0  # models loaded in this process: sessions must share, never add to this
+
     def __init__(
         self,
         model: str,
@@ -49,6 +51,7 @@ class WhisperEngine:
         beam_size: int = 1,
     ):
         self.model_name = model
+        WhisperEngine.loads += 1
         self.language = language
         self.beam_size = beam_size
         whisper_device, device_index = _split_device(device)

@@ -18,8 +18,11 @@ class PiperEngine:
     the ONNX voice model is thread-safe and runs on a bounded pool shared by all conversations.
     """
 
+    loads = 0  # models loaded in this process: sessions must share, never add to this
+
     def __init__(self, voice_path: str | Path, *, workers: int = 2, use_cuda: bool = False):
         self.voice_path = Path(voice_path)
+        PiperEngine.loads += 1
         self._voice = PiperVoice.load(self.voice_path, use_cuda=use_cuda)
         self.sample_rate: int = self._voice.config.sample_rate
         self._phonemize_lock = threading.Lock()

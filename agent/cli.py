@@ -1,0 +1,63 @@
+"""The `voice-agent` command line: argument parsing and process start-up, nothing else."""
+
+import argparse
+import asyncio
+import sys
+
+from loguru import logger
+
+LOG_LEVELS = ["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="voice-agent",
+        description="A self-hosted voice agent: local STT, LLM and TTS, served over WebRTC.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = commands.add_parser(
+        "serve",
+        help="serve the agent and its browser client over HTTP and WebRTC",
+        description="Load the models, then serve /health, /api/offer (WebRTC) and /client/.",
+    )
+    # Defaults stay None so that Settings (environment, .env) decides what is unset here.
+    serve.add_argument("--host", help="address to listen on (default: $HOST or 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port to listen on (default: $PORT or 7860)")
+    serve.add_argument(
+        "--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="(default: INFO)"
+    )
+    serve.set_defaults(run=serve_command)
+    return parser
+
+
+def serve_command(args: argparse.Namespace) -> None:
+    # Imported here so that `--help` answers without loading pipecat and torch.
+    import uvicorn
+
+    from agent.config import Settings
+    from agent.server import create_app
+
+    logger.remove()
+    logger.add(sys.stderr, level=args.log_level)
+    overrides = {name: getattr(args, name) for name in ("host", "port")}
+    settings = Settings(**{name: value for name, value in overrides.items() if value is not None})
+    config = uvicorn.Config(
+        create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level.lower()
+    )
+    asyncio.run(serve_and_announce(uvicorn.Server(config), settings))
+
+
+async def serve_and_announce(server, settings) -> None:
+    """Run uvicorn and print the client's URL once the socket is listening."""
+    serving = asyncio.create_task(server.serve())
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+        print(f"voice-agent is listening: open http://{host}:{settings.port}/client/", flush=True)
+    await serving
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    args.run(args)

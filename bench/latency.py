@@ -1,0 +1,232 @@
+"""Latency benchmark: simulated spoken turns through LocalSession → p50/p95 of STT, LLM, TTS, voice-to-voice."""
+
+import argparse
+import asyncio
+import datetime
+import functools
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+import numpy as np
+from loguru import logger
+
+from agent.config import Settings
+from agent.engines import load_engines_warm
+from agent.local_session import LocalSession
+from tests.speech import speak_16k
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "How many legs does a spider have?",
+    "What is the tallest mountain in the world?",
+    "Who wrote Romeo and Juliet?",
+    "How many days are in a leap year?",
+    "What color do you get if you mix blue and yellow?",
+    "What is the boiling point of water?",
+    "Can you tell me a fun fact about octopuses?",
+    "What is the largest planet in our solar system?",
+    "How do you say hello in Spanish?",
+    "What is the square root of sixty four?",
+    "Which ocean is the biggest?",
+]
+METRICS = ["stt", "llm_first_token", "tts_first_audio", "voice_to_voice"]
+QUIET_SECS = 1.5  # the bot counts as done once nothing has played for this long
+ANSWER_CAP_SECS = 15.0  # longest wait for an answer after the user stops speaking
+POLL_SECS = 0.1  # the user's microphone keeps sending silence in steps this long
+
+parser = argparse.ArgumentParser(description=__doc__)
+parser.add_argument("--turns", type=int, default=10, help="user turns per session")
+parser.add_argument("--sessions", type=int, default=1, help="concurrent conversations sharing the engines")
+parser.add_argument("--out", type=Path, default=None, help="JSON results (default bench/results/latency-PROFILE.json)")
+parser.add_argument(
+    "--llm-memory-percent",
+    type=float,
+    default=0.05,
+    help="share of total RAM for the LLM's paged KV cache; 0 keeps transformers' default (60%% on CPU)",
+)
+
+
+def percentile(values, q):
+    """q-th percentile (0..100, linear interpolation) of the non-missing values; None if there are none."""
+    values = np.asarray([v for v in values if v is not None], dtype=np.float64)
+    return float(np.percentile(values, q)) if values.size else None
+
+
+def summary(values):
+    values = [v for v in values if v is not None]
+    mean = float(np.mean(values)) if values else None
+    return {"n": len(values), "mean": mean, "p50": percentile(values, 50), "p95": percentile(values, 95)}
+
+
+async def run_session(index, engines, settings, questions, audio):
+    """One user speaks every question, each time waiting in silence until the bot has answered."""
+    spoken = []
+    async with LocalSession(engines, settings) as session:
+        await session.silence(0.5)  # a moment of room tone before the first word
+        for turn, (question, pcm) in enumerate(zip(questions, audio)):
+            played_before = len(session.played)
+            speech_started = session.now()
+            await session.speak(pcm)
+            speech_ended = session.now()
+            answered = False
+            while session.now() - speech_ended < ANSWER_CAP_SECS:
+                await session.silence(POLL_SECS)
+                new = session.played[played_before:]
+                if new and session.now() - max(c.started_at + c.seconds for c in new) >= QUIET_SECS:
+                    answered = True
+                    break
+            reply_seconds = sum(c.seconds for c in session.played[played_before:])
+            spoken.append(
+                {
+                    "turn": turn,
+                    "question": question,
+                    "speech_started": speech_started,
+                    "speech_ended": speech_ended,
+                    "bot_finished": answered,
+                    "reply_audio_seconds": reply_seconds,
+                }
+            )
+            print(
+                f"  session {index} turn {turn + 1}/{len(questions)}: "
+                f"{'answered' if answered else 'NO ANSWER'} ({reply_seconds:.1f}s of audio) {question}",
+                flush=True,
+            )
+        await session.silence(0.5)
+        latencies = list(session.conversation.turns.turns)
+        messages = [
+            {"role": m.get("role"), "content": m.get("content")}
+            for m in session.conversation.context.get_messages()
+            if isinstance(m, dict)
+        ]
+    # Match each measured turn to the spoken question it followed (its speech ended in that turn's window).
+    turns = []
+    for t in latencies:
+        matched = [s for s in spoken if s["speech_started"] <= t.user_speech_ended]
+        question = matched[-1] if matched else None
+        turns.append(
+            {
+                "session": index,
+                "turn": question["turn"] if question else None,
+                "question": question["question"] if question else None,
+                "user_speech_ended": t.user_speech_ended,
+                **{m: getattr(t, m) for m in METRICS},
+            }
+        )
+    return {"session": index, "spoken": spoken, "turns": turns, "messages": messages}
+
+
+async def main(args):
+    settings = Settings()
+    out = args.out or Path(f"bench/results/latency-{settings.profile}.json")
+    if args.llm_memory_percent > 0:
+        # services/llm.py leaves the continuous-batching KV cache at transformers' default, which on CPU is 60 %
+        # of the machine's *total* RAM per process (~14 GB here): two processes (a test run and this one) on a
+        # 24 GB box get OOM-killed. Cap it for the benchmark; remove once services/llm.py sizes its own cache.
+        import services.llm
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        services.llm.ContinuousBatchingConfig = functools.partial(
+            ContinuousBatchingConfig, max_memory_percent=args.llm_memory_percent
+        )
+    print(f"loading engines ({settings.profile} profile) ...", flush=True)
+    started = time.perf_counter()
+    engines = await load_engines_warm(settings)
+    load_seconds = time.perf_counter() - started
+    print(f"engines loaded and warm in {load_seconds:.1f}s", flush=True)
+
+    questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.turns)]
+    audio = [await speak_16k(engines.tts, q) for q in questions]
+    print(f"{args.sessions} session(s) x {args.turns} turns, user speech {sum(len(a) for a in audio) / 32000:.1f}s per session", flush=True)
+
+    started, cpu_started = time.perf_counter(), os.times()
+    sessions = await asyncio.gather(*(run_session(i, engines, settings, questions, audio) for i in range(args.sessions)))
+    run_seconds = time.perf_counter() - started
+    cpu = os.times()
+    cpu_seconds = cpu.user + cpu.system - cpu_started.user - cpu_started.system  # this process, all threads
+    engines.close()
+
+    turns = [t for s in sessions for t in s["turns"]]
+    spoken = sum(len(s["spoken"]) for s in sessions)
+    answered_questions = len({(t["session"], t["turn"]) for t in turns if t["turn"] is not None})
+    stats = {m: summary([t[m] for t in turns]) for m in METRICS}
+
+    print(f"\nconversation {run_seconds:.1f}s wall, {cpu_seconds:.1f}s CPU in this process, load average {os.getloadavg()[0]:.2f}")
+    print(f"turns spoken {spoken}, answered {len(turns)} (distinct questions answered {answered_questions})")
+    print(f"{'metric (seconds)':<18} {'n':>4} {'mean':>7} {'p50':>7} {'p95':>7}")
+    fmt = lambda v: f"{v:7.3f}" if v is not None else f"{'-':>7}"  # noqa: E731
+    for m in METRICS:
+        s = stats[m]
+        print(f"{m:<18} {s['n']:>4} {fmt(s['mean'])} {fmt(s['p50'])} {fmt(s['p95'])}")
+
+    import torch  # already loaded by the engines
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = None
+    result = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name, "-m", "bench.latency", *sys.argv[1:]]),
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "pipecat": version("pipecat-ai"),
+            "transformers": version("transformers"),
+            "faster_whisper": version("faster-whisper"),
+            "cuda_available": torch.cuda.is_available(),
+            "load_average_1m": os.getloadavg()[0],
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
+            "git_commit": commit,
+        },
+        "settings": {
+            "profile": settings.profile,
+            "stt_model": settings.stt_model,
+            "stt_device": settings.stt_device,
+            "stt_compute_type": settings.stt_compute_type,
+            "llm_model": settings.llm_model,
+            "llm_device": settings.llm_device,
+            "llm_max_new_tokens": settings.llm_max_new_tokens,
+            "llm_temperature": settings.llm_temperature,
+            "tts_engine": settings.tts_engine,
+            "tts_voice": settings.tts_voice,
+            "tts_device": settings.tts_device,
+            "vad_stop_secs": settings.vad_stop_secs,
+        },
+        "run": {
+            "sessions": args.sessions,
+            "turns_per_session": args.turns,
+            "engine_load_seconds": load_seconds,
+            "conversation_seconds": run_seconds,
+            "conversation_cpu_seconds": cpu_seconds,
+            "llm_memory_percent": args.llm_memory_percent or None,
+            "quiet_secs": QUIET_SECS,
+            "answer_cap_secs": ANSWER_CAP_SECS,
+        },
+        "turns_spoken": spoken,
+        "turns_answered": len(turns),
+        "questions_answered": answered_questions,
+        "summary": stats,
+        "turns": turns,
+        "sessions": sessions,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    tmp.replace(out)
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    logger.remove()
+    logger.add(sys.stderr, level="WARNING")  # pipecat logs every frame at DEBUG
+    asyncio.run(main(parser.parse_args()))

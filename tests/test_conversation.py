@@ -1,0 +1,130 @@
+"""Spoken conversations through the whole offline pipeline: VAD → turn → STT → LLM → TTS."""
+
+import asyncio
+
+import pytest
+
+from agent.local_session import LocalSession
+from services.llm import TransformersLLMEngine
+from services.stt import WhisperEngine
+from services.tts_piper import PiperEngine
+from tests.speech import wer
+
+BOT_RATE = 24000  # the pipeline's output rate
+
+
+async def wait_for_reply(session: LocalSession, *, after: float, quiet: float = 1.5, timeout: float = 20.0):
+    """Wait until the bot has spoken after `after` and then been quiet for `quiet` seconds."""
+    deadline = session.now() + timeout
+    while session.now() < deadline:
+        chunks = [c for c in session.played if c.started_at >= after]
+        if chunks and session.now() - (chunks[-1].started_at + chunks[-1].seconds) > quiet:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"no complete bot reply within {timeout}s")
+
+
+async def wait_for_speech(session: LocalSession, *, after: float, timeout: float = 20.0):
+    """Wait until the bot starts speaking after `after`."""
+    deadline = session.now() + timeout
+    while not [c for c in session.played if c.started_at >= after]:
+        assert session.now() < deadline, f"the bot did not start speaking within {timeout}s"
+        await asyncio.sleep(0.05)
+
+
+async def user_turn(session: LocalSession, say, text: str) -> tuple[float, bytes]:
+    """Speak `text`, wait for the reply; returns (when the user stopped, bot audio of the reply)."""
+    await session.speak(await say(text))
+    ended = session.now()
+    await wait_for_reply(session, after=ended)
+    return ended, session.played_audio(start=ended)
+
+
+def user_messages(session: LocalSession) -> list[str]:
+    return [m["content"] for m in session.conversation.context.get_messages() if m["role"] == "user"]
+
+
+async def check_two_turns(session: LocalSession, engines, say, turns: list[str]):
+    llm = session.conversation.llm
+    await session.silence(0.5)
+    for i, text in enumerate(turns):
+        _, bot_audio = await user_turn(session, say, text)
+        # The user was understood.
+        heard = user_messages(session)
+        assert len(heard) == i + 1, heard
+        assert wer(text, heard[i]) <= 0.25, (text, heard[i])
+        # The LLM was asked with the transcript, and the bot spoke its reply.
+        prompt = llm.prompts[-1]
+        assert prompt[-1] == {"role": "user", "content": heard[i]}
+        assert bot_audio, f"no bot audio for turn {i + 1}"
+        spoken = await engines.stt.transcribe(bot_audio, BOT_RATE)
+        assert wer(llm.replies[-1], spoken.text) <= 0.35, (llm.replies[-1], spoken.text)
+    # The second request carried the first exchange.
+    second_prompt = session.conversation.llm.prompts[1]
+    assert {"role": "user", "content": user_messages(session)[0]} in second_prompt
+    assert {"role": "assistant", "content": llm.replies[0].strip()} in [
+        {"role": m["role"], "content": m["content"].strip()} for m in second_prompt
+    ]
+
+
+async def test_two_turn_conversation(engines, settings, say):
+    async with LocalSession(engines, settings) as session:
+        await check_two_turns(
+            session, engines, say, ["What is the capital of France?", "And what is the capital of Germany?"]
+        )
+    turns = session.conversation.turns.turns
+    assert len(turns) == 2 and all(t.voice_to_voice and t.voice_to_voice > 0 for t in turns)
+
+
+async def test_two_conversations_share_one_copy_of_each_model(engines, settings, say):
+    started = engines.llm.stats.started
+    async with LocalSession(engines, settings) as a, LocalSession(engines, settings) as b:
+        await asyncio.gather(
+            check_two_turns(a, engines, say, ["How many legs does a spider have?", "And how many does a dog have?"]),
+            check_two_turns(b, engines, say, ["Can you name a fruit that is yellow?", "What is the weather like in Paris today?"]),
+        )
+    assert (WhisperEngine.loads, TransformersLLMEngine.loads, PiperEngine.loads) == (1, 1, 1)
+    for session in (a, b):
+        assert session.conversation.stt._engine is engines.stt
+        assert session.conversation.llm._engine is engines.llm
+        assert session.conversation.tts._engine is engines.tts
+    assert engines.llm.stats.started - started == 4
+    assert user_messages(a) != user_messages(b)
+
+
+async def test_interruption_stops_audio_cancels_llm_and_cuts_context(engines, settings, say):
+    # A long reply, so the LLM is still generating when the user cuts in.
+    long_reply = settings.model_copy(update={"llm_max_new_tokens": 400})
+    async with LocalSession(engines, long_reply) as session:
+        await session.silence(0.5)
+        await session.speak(await say("Tell me a very long story about a dragon and a brave knight."))
+        asked = session.now()
+        await wait_for_speech(session, after=asked)
+        await asyncio.sleep(1.5)  # let it speak a little
+        cancelled_before = engines.llm.stats.cancelled
+        await session.speak(await say("Wait, stop. Tell me about cats instead."))
+        await wait_for_speech(session, after=session.now())
+
+    conversation = session.conversation
+    cut_in = conversation.turns.user_turn_started_at[-1]
+    # Audio that started after the cut-in, before any answer to it could exist.
+    late = [c.started_at - cut_in for c in session.played if cut_in < c.started_at < cut_in + 1.0]
+    assert not late or max(late) <= 0.3, f"bot audio went on {max(late):.2f}s after the user cut in"
+
+    # The engine cancelled the unfinished request.
+    assert engines.llm.stats.cancelled > cancelled_before
+    full_story = conversation.llm.replies[0]
+    assistant = [m["content"] for m in conversation.context.get_messages() if m["role"] == "assistant"]
+    heard_story = assistant[0]
+    assert 0 < len(heard_story) < len(full_story), (heard_story, full_story)
+    # What the context says was said is what was actually played.
+    played = session.played_audio(start=asked, end=cut_in + 0.3)
+    spoken = await engines.stt.transcribe(played, BOT_RATE)
+    assert wer(heard_story, spoken.text) <= 0.35, (heard_story, spoken.text)
+    # And the conversation went on: the new question was heard and the bot answered it aloud.
+    assert "cats" in user_messages(session)[-1].lower()
+    assert "cats" in conversation.llm.prompts[-1][-1]["content"].lower()
+
+
+if __name__ == "__main__":
+    pytest.main([__file__, "-x", "-q"])
