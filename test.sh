@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Installs (once) what the tests need and runs them. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")"
+scripts/install.sh piper,dev
+exec .venv/bin/python -m pytest "$@"
