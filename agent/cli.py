@@ -41,8 +41,9 @@ def serve_command(args: argparse.Namespace) -> None:
     logger.add(sys.stderr, level=args.log_level)
     overrides = {name: getattr(args, name) for name in ("host", "port")}
     settings = Settings(**{name: value for name, value in overrides.items() if value is not None})
+    app = create_app(settings)
     config = uvicorn.Config(
-        create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level.lower()
+        app, host=settings.host, port=settings.port, log_level=args.log_level.lower()
     )
     asyncio.run(serve_and_announce(uvicorn.Server(config), settings))
 

@@ -42,6 +42,9 @@ class Settings(BaseSettings):
     llm_max_new_tokens: int = Field(96, ge=1, description="Longest reply, in tokens.")
     llm_temperature: float = Field(0.0, ge=0.0, description="0 = greedy.")
     llm_max_batch: int = Field(16, ge=1, description="Requests decoded together per step.")
+    llm_kv_cache_tokens: int = Field(
+        16384, ge=256, description="KV cache size shared by all requests, in tokens."
+    )
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
 
     tts_engine: Literal["piper"] = "piper"
@@ -52,12 +55,27 @@ class Settings(BaseSettings):
 
     vad_stop_secs: float = Field(0.2, gt=0, description="Silence before the turn detector runs.")
 
+    livekit_url: str | None = Field(None, description="ws(s):// URL of livekit-server; unset = peer-to-peer WebRTC.")
+    livekit_api_key: str | None = None
+    livekit_api_secret: SecretStr | None = Field(None, description="Never logged.")
+    livekit_public_url: str | None = Field(
+        None, description="LiveKit URL handed to browsers, when it differs from `livekit_url`."
+    )
+    agent_name: str = Field("voice-agent", description="Name the worker registers for explicit dispatch.")
+    max_sessions: int = Field(8, ge=1, description="Conversations one process takes before refusing.")
+    session_token_ttl_secs: int = Field(600, ge=10, description="Lifetime of browser tokens.")
+    api_key: SecretStr | None = Field(None, description="When set, /api/session needs `Bearer <API_KEY>`.")
+
     host: str = "127.0.0.1"
     port: int = Field(7860, ge=1, le=65535)
     cache_dir: Path = Field(
         Path.home() / ".cache" / "voice-agent", description="Converted models (GGUF → HF)."
     )
     hf_token: SecretStr | None = Field(None, description="For gated hub models; never logged.")
+
+    @property
+    def livekit_enabled(self) -> bool:
+        return bool(self.livekit_url and self.livekit_api_key and self.livekit_api_secret)
 
     @model_validator(mode="after")
     def _fill_profile_defaults(self) -> "Settings":

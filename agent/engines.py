@@ -56,6 +56,7 @@ def load_engines(settings: Settings) -> Engines:
         max_new_tokens=settings.llm_max_new_tokens,
         temperature=settings.llm_temperature,
         max_batch_requests=settings.llm_max_batch,
+        kv_cache_tokens=settings.llm_kv_cache_tokens,
     )
     tts = PiperEngine(
         settings.tts_voice,

@@ -1,8 +1,7 @@
-"""The HTTP server: health, SmallWebRTC signalling and the browser client, one conversation per peer."""
+"""The HTTP server: health, WebRTC signalling and the browser client; one conversation per peer."""
 
 import asyncio
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 from fastapi import FastAPI, HTTPException
 from fastapi.responses import JSONResponse, RedirectResponse
@@ -53,10 +52,12 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
         try:
             app.state.engines = await load_engines_warm(settings)
         except Exception:
-            logger.exception("loading the engines failed; /health stays at 503")
+            logger.exception("loading the engines failed; the server cannot take calls")
+            app.state.load_failed = True
 
     app = FastAPI(title="voice-agent", lifespan=lifespan)
     app.state.engines = engines
+    app.state.load_failed = False
 
     def ready_engines() -> Engines:
         engines = app.state.engines
@@ -70,11 +71,13 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
     async def health():
         engines = app.state.engines
         if engines is None or not engines.ready:
-            return JSONResponse({"status": "loading"}, status_code=503)
+            status = "failed" if app.state.load_failed else "loading"
+            return JSONResponse({"status": status}, status_code=503)
         return {
             "status": "ok",
             "models": {
-                "stt": Path(engines.stt.model_name).name,
+                # A bundled model's directory is just ".../model", so the whole path says more.
+                "stt": engines.stt.model_name,
                 "llm": engines.llm.name,
                 "tts": engines.tts.voice_path.stem,
             },

@@ -15,6 +15,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
+import torch
 from loguru import logger
 
 from agent.config import Settings
@@ -38,7 +39,7 @@ QUESTIONS = [
 ]
 METRICS = ["stt", "llm_first_token", "tts_first_audio", "voice_to_voice"]
 QUIET_SECS = 1.5  # the bot counts as done once nothing has played for this long
-ANSWER_CAP_SECS = 15.0  # longest wait for an answer after the user stops speaking
+ANSWER_CAP_SECS = 15.0  # longest wait for a reply to start after the user stops speaking
 POLL_SECS = 0.1  # the user's microphone keeps sending silence in steps this long
 
 parser = argparse.ArgumentParser(description=__doc__)
@@ -68,36 +69,45 @@ def summary(values):
 async def run_session(index, engines, settings, questions, audio):
     """One user speaks every question, each time waiting in silence until the bot has answered."""
     spoken = []
+    stop_timeouts = []  # the user aggregator's watchdog ended a turn no stop strategy ended (after 5 s)
     async with LocalSession(engines, settings) as session:
+        stt = session.conversation.stt
+        session.conversation.user_aggregator.add_event_handler(
+            "on_user_turn_stop_timeout", lambda aggregator: stop_timeouts.append(session.now())
+        )
         await session.silence(0.5)  # a moment of room tone before the first word
         for turn, (question, pcm) in enumerate(zip(questions, audio)):
-            played_before = len(session.played)
+            stt.last_transcript, timeouts_before = None, len(stop_timeouts)
             speech_started = session.now()
             await session.speak(pcm)
             speech_ended = session.now()
-            answered = False
-            while session.now() - speech_ended < ANSWER_CAP_SECS:
+            # Keep the microphone open (silence) until the reply has played out, or nothing came for a while.
+            # Only audio that started after the question ended counts: the tail of an earlier reply is no answer.
+            while True:
                 await session.silence(POLL_SECS)
-                new = session.played[played_before:]
-                if new and session.now() - max(c.started_at + c.seconds for c in new) >= QUIET_SECS:
-                    answered = True
+                reply = [c for c in session.played if c.started_at >= speech_ended]
+                if reply and session.now() - max(c.started_at + c.seconds for c in reply) >= QUIET_SECS:
                     break
-            reply_seconds = sum(c.seconds for c in session.played[played_before:])
+                if not reply and session.now() - speech_ended >= ANSWER_CAP_SECS:
+                    break
+            reply_seconds = sum(c.seconds for c in reply)
             spoken.append(
                 {
                     "turn": turn,
                     "question": question,
                     "speech_started": speech_started,
-                    "speech_ended": speech_ended,
-                    "bot_finished": answered,
+                    "speech_ended": speech_ended,  # includes the trailing silence of the Piper clip
+                    "reply_started_after": reply[0].started_at - speech_ended if reply else None,
                     "reply_audio_seconds": reply_seconds,
+                    "heard": stt.last_transcript.text if stt.last_transcript else None,  # last segment only
+                    "whisper_seconds": stt.last_transcript.processing_seconds if stt.last_transcript else None,
+                    "turn_stop_timeouts": len(stop_timeouts) - timeouts_before,
                 }
             )
-            print(
-                f"  session {index} turn {turn + 1}/{len(questions)}: "
-                f"{'answered' if answered else 'NO ANSWER'} ({reply_seconds:.1f}s of audio) {question}",
-                flush=True,
-            )
+            replied = f"{reply_seconds:.1f}s reply" if reply else "NO REPLY"
+            watchdog = " (turn ended by the 5 s stop watchdog)" if spoken[-1]["turn_stop_timeouts"] else ""
+            print(f"  session {index} turn {turn + 1}/{len(questions)}: {replied} to {question!r}", end="")
+            print(f", heard {spoken[-1]['heard']!r}{watchdog}", flush=True)
         await session.silence(0.5)
         latencies = list(session.conversation.turns.turns)
         messages = [
@@ -124,7 +134,7 @@ async def run_session(index, engines, settings, questions, audio):
 
 async def main(args):
     settings = Settings()
-    out = args.out or Path(f"bench/results/latency-{settings.profile}.json")
+    out = args.out or Path(__file__).parent / "results" / f"latency-{settings.profile}.json"
     if args.llm_memory_percent > 0:
         # services/llm.py leaves the continuous-batching KV cache at transformers' default, which on CPU is 60 %
         # of the machine's *total* RAM per process (~14 GB here): two processes (a test run and this one) on a
@@ -143,10 +153,13 @@ async def main(args):
 
     questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.turns)]
     audio = [await speak_16k(engines.tts, q) for q in questions]
-    print(f"{args.sessions} session(s) x {args.turns} turns, user speech {sum(len(a) for a in audio) / 32000:.1f}s per session", flush=True)
+    speech_seconds = sum(len(a) for a in audio) / 2 / 16000
+    print(f"{args.sessions} session(s) x {args.turns} turns, {speech_seconds:.1f}s of user speech each", flush=True)
 
     started, cpu_started = time.perf_counter(), os.times()
-    sessions = await asyncio.gather(*(run_session(i, engines, settings, questions, audio) for i in range(args.sessions)))
+    sessions = await asyncio.gather(
+        *(run_session(i, engines, settings, questions, audio) for i in range(args.sessions))
+    )
     run_seconds = time.perf_counter() - started
     cpu = os.times()
     cpu_seconds = cpu.user + cpu.system - cpu_started.user - cpu_started.system  # this process, all threads
@@ -154,18 +167,18 @@ async def main(args):
 
     turns = [t for s in sessions for t in s["turns"]]
     spoken = sum(len(s["spoken"]) for s in sessions)
-    answered_questions = len({(t["session"], t["turn"]) for t in turns if t["turn"] is not None})
+    replied = sum(turn["reply_audio_seconds"] > 0 for s in sessions for turn in s["spoken"])
     stats = {m: summary([t[m] for t in turns]) for m in METRICS}
 
-    print(f"\nconversation {run_seconds:.1f}s wall, {cpu_seconds:.1f}s CPU in this process, load average {os.getloadavg()[0]:.2f}")
-    print(f"turns spoken {spoken}, answered {len(turns)} (distinct questions answered {answered_questions})")
+    load = os.getloadavg()[0]
+    print(f"\nconversation {run_seconds:.1f}s wall, {cpu_seconds:.1f}s CPU in this process, load average {load:.2f}")
+    print(f"user turns spoken {spoken}, answered {len(turns)} (turns with latency metrics), {replied} got reply audio")
+    if stats["stt"]["n"] < len(turns):
+        print("note: pipecat drops the STT metric of a turn whose transcript took over 2 s (stt_ttfb_timeout)")
     print(f"{'metric (seconds)':<18} {'n':>4} {'mean':>7} {'p50':>7} {'p95':>7}")
     fmt = lambda v: f"{v:7.3f}" if v is not None else f"{'-':>7}"  # noqa: E731
     for m in METRICS:
-        s = stats[m]
-        print(f"{m:<18} {s['n']:>4} {fmt(s['mean'])} {fmt(s['p50'])} {fmt(s['p95'])}")
-
-    import torch  # already loaded by the engines
+        print(f"{m:<18} {stats[m]['n']:>4} {fmt(stats[m]['mean'])} {fmt(stats[m]['p50'])} {fmt(stats[m]['p95'])}")
 
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -184,7 +197,7 @@ async def main(args):
             "transformers": version("transformers"),
             "faster_whisper": version("faster-whisper"),
             "cuda_available": torch.cuda.is_available(),
-            "load_average_1m": os.getloadavg()[0],
+            "load_average_1m": load,  # at the end of the run: other work on the machine skews every number
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
             "git_commit": commit,
         },
@@ -214,7 +227,7 @@ async def main(args):
         },
         "turns_spoken": spoken,
         "turns_answered": len(turns),
-        "questions_answered": answered_questions,
+        "turns_with_reply_audio": replied,
         "summary": stats,
         "turns": turns,
         "sessions": sessions,

@@ -1,4 +1,4 @@
-"""`voice-agent serve` as a real subprocess: health, browser client, CLI, and a spoken turn over WebRTC."""
+"""`voice-agent serve` as a real subprocess: health, web client, CLI, a spoken turn over WebRTC."""
 
 import asyncio
 import logging
@@ -11,6 +11,7 @@ import tomllib
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
+from types import SimpleNamespace
 
 import av
 import httpx
@@ -20,6 +21,7 @@ import soxr
 from aiortc import MediaStreamTrack, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError
 
+from agent.server import create_app
 from services.stt import WhisperEngine
 from services.tts_piper import PiperEngine
 from tests.speech import speak_16k
@@ -44,6 +46,11 @@ class Server:
     def log_tail(self, lines: int = 80) -> str:
         return "\n".join(self.lines[-lines:])
 
+    def assert_alive(self) -> None:
+        # -9 here usually means the kernel's OOM killer: the server holds every model.
+        code = self.process.poll()
+        assert code is None, f"server exited with {code}:\n{self.log_tail()}"
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -60,13 +67,15 @@ def pump_output(process: subprocess.Popen, lines: list[str]) -> None:
 def wait_until_healthy(server: Server) -> None:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            pytest.fail(f"server exited with {server.process.returncode}:\n{server.log_tail()}")
+        server.assert_alive()
         try:
-            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                return
+            health = httpx.get(f"{server.url}/health", timeout=2)
         except httpx.TransportError:
-            pass  # not listening yet
+            health = None  # not listening yet
+        if health is not None and health.status_code == 200:
+            return
+        if health is not None and health.json()["status"] == "failed":
+            pytest.fail(f"server could not load its models:\n{server.log_tail()}")
         time.sleep(0.5)
     pytest.fail(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{server.log_tail()}")
 
@@ -139,11 +148,25 @@ def test_browser_client_is_served(server):
     assert start.json() == {"webrtcRequestParams": {"endpoint": "/api/offer"}}
 
 
+async def test_offers_wait_while_models_load(settings):
+    # In-process, with engines that are not warm yet: the state a starting server is in.
+    app = create_app(settings, engines=SimpleNamespace(ready=False))
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+        health = await http.get("/health")
+        assert health.status_code == 503
+        assert health.json() == {"status": "loading"}
+        offer = await http.post("/api/offer", json={"sdp": "", "type": "offer"})
+        assert offer.status_code == 503
+        assert int(offer.headers["retry-after"]) > 0
+
+
 @pytest.mark.parametrize("args", [["--help"], ["serve", "--help"]])
 def test_cli_help(args):
     # Run the `voice-agent` console script's target as pyproject.toml declares it, since
     # the dev virtualenv does not install the project itself.
-    target = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]["voice-agent"]
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    target = pyproject["project"]["scripts"]["voice-agent"]
     module, function = target.split(":")
     result = subprocess.run(
         [sys.executable, "-c", f"from {module} import {function}; {function}()", *args],
@@ -242,6 +265,8 @@ async def test_spoken_question_gets_a_spoken_answer_over_webrtc(server, voice, e
     microphone = Microphone()
     pc = RTCPeerConnection()
     pc.addTrack(microphone)
+    # As the browser client does; without it the server's RTVI messages pile up unsent.
+    pc.createDataChannel("rtvi")
     bot_track: asyncio.Future = asyncio.get_running_loop().create_future()
     pc.on("track", lambda track: bot_track.set_result(track))
     speaker = None
@@ -270,17 +295,19 @@ async def test_spoken_question_gets_a_spoken_answer_over_webrtc(server, voice, e
             deadline = time.monotonic() + REPLY_TIMEOUT_S
             while time.monotonic() < deadline:
                 await asyncio.sleep(0.25)
+                server.assert_alive()
                 voiced = speaker.voiced(asked)
                 if len(voiced) >= 25 and speaker.seconds(voiced[-1] + 1, len(speaker.frames)) > 2:
                     break
             voiced = speaker.voiced(asked)
-            assert len(voiced) >= 25, f"no spoken reply within {REPLY_TIMEOUT_S}s\n{server.log_tail()}"
+            assert len(voiced) >= 25, f"no reply within {REPLY_TIMEOUT_S}s\n{server.log_tail()}"
             assert (await health(http))["sessions"] == 1
 
             reply = np.concatenate(speaker.frames[voiced[0] : voiced[-1] + 1])
             reply_16k = soxr.resample(reply, speaker.sample_rate, 16000).astype(np.int16)
             transcript = await ears.transcribe(reply_16k.tobytes(), 16000)
-            print(f"bot said: {transcript.text!r}")
+            latency = speaker.seconds(asked, voiced[0])
+            print(f"bot said {transcript.text!r}, {latency:.1f}s after the question")
             assert len(transcript.text.split()) >= 3, transcript.text
 
             await speaker.stop()

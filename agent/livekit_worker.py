@@ -1,0 +1,118 @@
+"""LiveKit dispatch: an AgentServer that runs one Pipecat conversation per room, all on the shared engines."""
+
+import threading
+
+from livekit import api
+from livekit.agents import AgentServer, JobContext, JobExecutorType, JobRequest
+from loguru import logger
+from pipecat.transports.livekit.transport import LiveKitParams, LiveKitTransport
+
+from agent.config import Settings
+from agent.engines import Engines
+from agent.pipeline import build_conversation, run_conversation
+
+
+class SessionSlots:
+    """How many conversations this process runs, against the capacity its engines are sized for.
+
+    Jobs run on several threads (THREAD executor), so the count is guarded by a lock.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._active = 0
+        self._lock = threading.Lock()
+
+    def try_acquire(self) -> bool:
+        with self._lock:
+            if self._active >= self.capacity:
+                return False
+            self._active += 1
+            return True
+
+    def release(self) -> None:
+        with self._lock:
+            self._active = max(0, self._active - 1)
+
+    @property
+    def active(self) -> int:
+        return self._active
+
+    @property
+    def load(self) -> float:
+        """0.0 idle … 1.0 full: what LiveKit sees; at 1.0 it stops dispatching here."""
+        return min(1.0, self._active / self.capacity)
+
+
+def agent_token(settings: Settings, room: str, identity: str) -> str:
+    """A token for the agent's own participant: this room only, marked as an agent."""
+    return (
+        api.AccessToken(settings.livekit_api_key, settings.livekit_api_secret.get_secret_value())
+        .with_identity(identity)
+        .with_name("Voice agent")
+        .with_kind("agent")
+        .with_grants(api.VideoGrants(room_join=True, room=room, agent=True))
+        .to_jwt()
+    )
+
+
+def create_agent_server(settings: Settings, engines: Engines, slots: SessionSlots) -> AgentServer:
+    """An AgentServer whose jobs all run in this process (THREAD executor) and share `engines`."""
+    server = AgentServer(
+        ws_url=settings.livekit_url,
+        api_key=settings.livekit_api_key,
+        api_secret=settings.livekit_api_secret.get_secret_value(),
+        job_executor_type=JobExecutorType.THREAD,
+        load_fnc=lambda: slots.load,
+        load_threshold=1.0,  # our load is engine capacity: unavailable only when really full
+        num_idle_processes=0,
+        port=0,  # the worker's own health endpoint: any free port; ours is on the HTTP server
+    )
+
+    async def on_request(request: JobRequest) -> None:
+        if slots.active >= slots.capacity:
+            logger.warning(f"refusing room {request.room.name}: {slots.active}/{slots.capacity} sessions")
+            await request.reject()
+            return
+        await request.accept(identity=f"{settings.agent_name}-{request.job.id}")
+
+    @server.rtc_session(agent_name=settings.agent_name, on_request=on_request)
+    async def entrypoint(ctx: JobContext) -> None:
+        room = ctx.job.room.name
+        if not slots.try_acquire():
+            logger.warning(f"room {room}: no free session slot, leaving")
+            ctx.shutdown("over capacity")
+            return
+        try:
+            await run_room(ctx, room, settings, engines)
+        finally:
+            slots.release()
+            ctx.shutdown("conversation ended")
+
+    return server
+
+
+async def run_room(ctx: JobContext, room: str, settings: Settings, engines: Engines) -> None:
+    """One conversation in one room; returns when the user leaves or the job is shut down."""
+    identity = f"{settings.agent_name}-{ctx.job.id}"
+    transport = LiveKitTransport(
+        settings.livekit_url,
+        agent_token(settings, room, identity),
+        room,
+        params=LiveKitParams(audio_in_enabled=True, audio_out_enabled=True),
+    )
+    conversation = build_conversation(transport, engines, settings)
+
+    async def end(reason: str) -> None:
+        logger.info(f"room {room}: {reason}")
+        await conversation.worker.cancel(reason=reason)
+
+    @transport.event_handler("on_participant_left")
+    async def _on_left(_transport, participant_id, _reason=None):
+        others = [p for p in transport.get_participants() if p != participant_id]
+        if not others:  # the last user left: nobody to talk to
+            await end(f"{participant_id} left")
+
+    ctx.add_shutdown_callback(lambda: end("job shut down"))
+    logger.info(f"room {room}: conversation starting")
+    await run_conversation(conversation)
