@@ -27,7 +27,49 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="(default: INFO)"
     )
     serve.set_defaults(run=serve_command)
+
+    worker = commands.add_parser(
+        "worker",
+        help="register with livekit-server and talk in every room the agent is dispatched to",
+        description=(
+            "Load the models once, register with LiveKit as an agent worker (LIVEKIT_URL, "
+            "LIVEKIT_API_KEY, LIVEKIT_API_SECRET) and run one conversation per dispatched room, "
+            "all in this process, sharing the models."
+        ),
+    )
+    worker.add_argument("--agent-name", help="name to be dispatched by (default: $AGENT_NAME or voice-agent)")
+    worker.add_argument("--max-sessions", type=int, help="rooms taken before refusing (default: $MAX_SESSIONS or 8)")
+    worker.add_argument(
+        "--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="(default: INFO)"
+    )
+    worker.set_defaults(run=worker_command)
     return parser
+
+
+def worker_command(args: argparse.Namespace) -> None:
+    from agent.config import Settings
+    from agent.engines import load_engines_warm
+    from agent.livekit_worker import create_agent_server
+    from agent.sessions import SessionRegistry
+
+    logger.remove()
+    logger.add(sys.stderr, level=args.log_level)
+    overrides = {"agent_name": args.agent_name, "max_sessions": args.max_sessions}
+    settings = Settings(**{name: value for name, value in overrides.items() if value is not None})
+    if not settings.livekit_enabled:
+        sys.exit("voice-agent worker needs LIVEKIT_URL, LIVEKIT_API_KEY and LIVEKIT_API_SECRET")
+
+    async def run() -> None:
+        engines = await load_engines_warm(settings)
+        server = create_agent_server(settings, engines, SessionRegistry(settings.max_sessions))
+        print(f"voice-agent worker: registering as {settings.agent_name!r} at {settings.livekit_url}", flush=True)
+        try:
+            await server.run()
+        finally:
+            await server.aclose()
+            engines.close()
+
+    asyncio.run(run())
 
 
 def serve_command(args: argparse.Namespace) -> None:

@@ -1,7 +1,5 @@
 """LiveKit dispatch: an AgentServer that runs one Pipecat conversation per room, all on the shared engines."""
 
-import threading
-
 from livekit import api
 from livekit.agents import AgentServer, JobContext, JobExecutorType, JobRequest
 from loguru import logger
@@ -10,38 +8,7 @@ from pipecat.transports.livekit.transport import LiveKitParams, LiveKitTransport
 from agent.config import Settings
 from agent.engines import Engines
 from agent.pipeline import build_conversation, run_conversation
-
-
-class SessionSlots:
-    """How many conversations this process runs, against the capacity its engines are sized for.
-
-    Jobs run on several threads (THREAD executor), so the count is guarded by a lock.
-    """
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self._active = 0
-        self._lock = threading.Lock()
-
-    def try_acquire(self) -> bool:
-        with self._lock:
-            if self._active >= self.capacity:
-                return False
-            self._active += 1
-            return True
-
-    def release(self) -> None:
-        with self._lock:
-            self._active = max(0, self._active - 1)
-
-    @property
-    def active(self) -> int:
-        return self._active
-
-    @property
-    def load(self) -> float:
-        """0.0 idle … 1.0 full: what LiveKit sees; at 1.0 it stops dispatching here."""
-        return min(1.0, self._active / self.capacity)
+from agent.sessions import SessionRegistry
 
 
 def agent_token(settings: Settings, room: str, identity: str) -> str:
@@ -56,22 +23,22 @@ def agent_token(settings: Settings, room: str, identity: str) -> str:
     )
 
 
-def create_agent_server(settings: Settings, engines: Engines, slots: SessionSlots) -> AgentServer:
+def create_agent_server(settings: Settings, engines: Engines, sessions: SessionRegistry) -> AgentServer:
     """An AgentServer whose jobs all run in this process (THREAD executor) and share `engines`."""
     server = AgentServer(
         ws_url=settings.livekit_url,
         api_key=settings.livekit_api_key,
         api_secret=settings.livekit_api_secret.get_secret_value(),
         job_executor_type=JobExecutorType.THREAD,
-        load_fnc=lambda: slots.load,
+        load_fnc=lambda: sessions.load,
         load_threshold=1.0,  # our load is engine capacity: unavailable only when really full
         num_idle_processes=0,
         port=0,  # the worker's own health endpoint: any free port; ours is on the HTTP server
     )
 
     async def on_request(request: JobRequest) -> None:
-        if slots.active >= slots.capacity:
-            logger.warning(f"refusing room {request.room.name}: {slots.active}/{slots.capacity} sessions")
+        if sessions.full:
+            logger.warning(f"refusing room {request.room.name}: {sessions.active}/{sessions.capacity} sessions")
             await request.reject()
             return
         await request.accept(identity=f"{settings.agent_name}-{request.job.id}")
@@ -79,20 +46,24 @@ def create_agent_server(settings: Settings, engines: Engines, slots: SessionSlot
     @server.rtc_session(agent_name=settings.agent_name, on_request=on_request)
     async def entrypoint(ctx: JobContext) -> None:
         room = ctx.job.room.name
-        if not slots.try_acquire():
+        if not sessions.reserve(room):
             logger.warning(f"room {room}: no free session slot, leaving")
             ctx.shutdown("over capacity")
             return
         try:
-            await run_room(ctx, room, settings, engines)
+            await run_room(ctx, room, settings, engines, sessions)
+        except Exception:
+            logger.exception(f"room {room}: conversation failed")  # never reaches other rooms
         finally:
-            slots.release()
+            sessions.release(room)
             ctx.shutdown("conversation ended")
 
     return server
 
 
-async def run_room(ctx: JobContext, room: str, settings: Settings, engines: Engines) -> None:
+async def run_room(
+    ctx: JobContext, room: str, settings: Settings, engines: Engines, sessions: SessionRegistry
+) -> None:
     """One conversation in one room; returns when the user leaves or the job is shut down."""
     identity = f"{settings.agent_name}-{ctx.job.id}"
     transport = LiveKitTransport(
@@ -102,6 +73,7 @@ async def run_room(ctx: JobContext, room: str, settings: Settings, engines: Engi
         params=LiveKitParams(audio_in_enabled=True, audio_out_enabled=True),
     )
     conversation = build_conversation(transport, engines, settings)
+    sessions.attach(room, conversation)
 
     async def end(reason: str) -> None:
         logger.info(f"room {room}: {reason}")

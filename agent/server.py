@@ -1,9 +1,12 @@
-"""The HTTP server: health, WebRTC signalling and the browser client; one conversation per peer."""
+"""The HTTP server: health, LiveKit session tokens or WebRTC signalling, and the browser client."""
 
 import asyncio
+import hmac
+import secrets
 from contextlib import asynccontextmanager
+from datetime import timedelta
 
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, Header, HTTPException
 from fastapi.responses import JSONResponse, RedirectResponse
 from loguru import logger
 from pipecat.transports.base_transport import TransportParams
@@ -19,6 +22,7 @@ from pipecat_ai_prebuilt.frontend import PipecatPrebuiltUI
 from agent.config import Settings
 from agent.engines import Engines, load_engines_warm
 from agent.pipeline import Conversation, build_conversation, run_conversation
+from agent.sessions import SessionRegistry
 
 RETRY_AFTER_SECS = 5
 SHUTDOWN_GRACE_SECS = 5
@@ -27,7 +31,8 @@ SHUTDOWN_GRACE_SECS = 5
 def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
     """The app; without `engines` it loads them itself at startup, in the background."""
     handler = SmallWebRTCRequestHandler()
-    sessions: set[asyncio.Task] = set()
+    sessions: set[asyncio.Task] = set()  # peer-to-peer conversations
+    rooms = SessionRegistry(settings.max_sessions)  # LiveKit conversations
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -35,9 +40,14 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
         if app.state.engines is None:
             # In the background, so /health can answer "loading" while the models load.
             loading = asyncio.create_task(load_engines(app))
+        else:
+            start_livekit_worker(app)
         yield
         if loading is not None:
             loading.cancel()
+        if app.state.livekit_worker is not None:
+            app.state.livekit_worker.cancel()
+            await asyncio.gather(app.state.livekit_worker, return_exceptions=True)
         # Closing the peer connections fires on_client_disconnected, which ends each session.
         await handler.close()
         if sessions:
@@ -54,10 +64,23 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
         except Exception:
             logger.exception("loading the engines failed; the server cannot take calls")
             app.state.load_failed = True
+            return
+        start_livekit_worker(app)
+
+    def start_livekit_worker(app: FastAPI) -> None:
+        """With LiveKit configured, this process is also the agent worker: one copy of the models."""
+        if not settings.livekit_enabled:
+            return
+        from agent.livekit_worker import create_agent_server
+
+        worker = create_agent_server(settings, app.state.engines, rooms)
+        app.state.livekit_worker = asyncio.create_task(run_livekit_worker(worker))
 
     app = FastAPI(title="voice-agent", lifespan=lifespan)
     app.state.engines = engines
     app.state.load_failed = False
+    app.state.livekit_worker = None
+    app.state.rooms = rooms
 
     def ready_engines() -> Engines:
         engines = app.state.engines
@@ -81,7 +104,21 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
                 "llm": engines.llm.name,
                 "tts": engines.tts.voice_path.stem,
             },
-            "sessions": len(sessions),
+            "sessions": len(sessions) + rooms.active,
+            "transport": "livekit" if settings.livekit_enabled else "webrtc",
+        }
+
+    @app.post("/api/session")
+    async def new_session(authorization: str | None = Header(None)):
+        """A fresh LiveKit room and a short-lived token for it that dispatches the agent."""
+        check_api_key(settings, authorization)
+        if not settings.livekit_enabled:
+            raise HTTPException(404, "LiveKit is not configured; use /api/offer (peer-to-peer WebRTC)")
+        room = f"voice-{secrets.token_hex(8)}"
+        return {
+            "url": settings.livekit_public_url or settings.livekit_url,
+            "token": user_token(settings, room, identity=f"user-{secrets.token_hex(4)}"),
+            "room": room,
         }
 
     @app.post("/start")
@@ -150,3 +187,42 @@ async def run_session(conversation: Conversation, pc_id: str) -> None:
         logger.exception(f"conversation {pc_id} failed")
     finally:
         logger.info(f"conversation {pc_id} ended")
+
+
+def check_api_key(settings: Settings, authorization: str | None) -> None:
+    """401 unless `Authorization: Bearer <API_KEY>` matches (when an API key is configured)."""
+    if settings.api_key is None:
+        return
+    expected = f"Bearer {settings.api_key.get_secret_value()}"
+    if authorization is None or not hmac.compare_digest(authorization.encode(), expected.encode()):
+        raise HTTPException(401, "missing or wrong API key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def user_token(settings: Settings, room: str, identity: str) -> str:
+    """A browser's token: joins this one room only, expires soon, and dispatches our agent into it."""
+    from livekit import api
+
+    return (
+        api.AccessToken(settings.livekit_api_key, settings.livekit_api_secret.get_secret_value())
+        .with_identity(identity)
+        .with_ttl(timedelta(seconds=settings.session_token_ttl_secs))
+        .with_grants(
+            api.VideoGrants(
+                room_join=True, room=room, can_publish=True, can_subscribe=True, can_publish_data=True
+            )
+        )
+        .with_room_config(
+            api.RoomConfiguration(agents=[api.RoomAgentDispatch(agent_name=settings.agent_name)])
+        )
+        .to_jwt()
+    )
+
+
+async def run_livekit_worker(worker) -> None:
+    try:
+        await worker.run()
+    except asyncio.CancelledError:
+        await worker.aclose()
+        raise
+    except Exception:
+        logger.exception("the LiveKit worker stopped; no new rooms will be served")

@@ -3,7 +3,6 @@
 import argparse
 import asyncio
 import datetime
-import functools
 import json
 import os
 import platform
@@ -46,12 +45,6 @@ parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--turns", type=int, default=10, help="user turns per session")
 parser.add_argument("--sessions", type=int, default=1, help="concurrent conversations sharing the engines")
 parser.add_argument("--out", type=Path, default=None, help="JSON results (default bench/results/latency-PROFILE.json)")
-parser.add_argument(
-    "--llm-memory-percent",
-    type=float,
-    default=0.05,
-    help="share of total RAM for the LLM's paged KV cache; 0 keeps transformers' default (60%% on CPU)",
-)
 
 
 def percentile(values, q):
@@ -135,16 +128,6 @@ async def run_session(index, engines, settings, questions, audio):
 async def main(args):
     settings = Settings()
     out = args.out or Path(__file__).parent / "results" / f"latency-{settings.profile}.json"
-    if args.llm_memory_percent > 0:
-        # services/llm.py leaves the continuous-batching KV cache at transformers' default, which on CPU is 60 %
-        # of the machine's *total* RAM per process (~14 GB here): two processes (a test run and this one) on a
-        # 24 GB box get OOM-killed. Cap it for the benchmark; remove once services/llm.py sizes its own cache.
-        import services.llm
-        from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-        services.llm.ContinuousBatchingConfig = functools.partial(
-            ContinuousBatchingConfig, max_memory_percent=args.llm_memory_percent
-        )
     print(f"loading engines ({settings.profile} profile) ...", flush=True)
     started = time.perf_counter()
     engines = await load_engines_warm(settings)
@@ -201,27 +184,14 @@ async def main(args):
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
             "git_commit": commit,
         },
-        "settings": {
-            "profile": settings.profile,
-            "stt_model": settings.stt_model,
-            "stt_device": settings.stt_device,
-            "stt_compute_type": settings.stt_compute_type,
-            "llm_model": settings.llm_model,
-            "llm_device": settings.llm_device,
-            "llm_max_new_tokens": settings.llm_max_new_tokens,
-            "llm_temperature": settings.llm_temperature,
-            "tts_engine": settings.tts_engine,
-            "tts_voice": settings.tts_voice,
-            "tts_device": settings.tts_device,
-            "vad_stop_secs": settings.vad_stop_secs,
-        },
+        "models": {"stt": settings.stt_model, "llm": settings.llm_model, "tts": settings.tts_voice},
+        "settings": settings.model_dump(mode="json"),  # secrets dump as "**********"
         "run": {
             "sessions": args.sessions,
             "turns_per_session": args.turns,
             "engine_load_seconds": load_seconds,
             "conversation_seconds": run_seconds,
             "conversation_cpu_seconds": cpu_seconds,
-            "llm_memory_percent": args.llm_memory_percent or None,
             "quiet_secs": QUIET_SECS,
             "answer_cap_secs": ANSWER_CAP_SECS,
         },
