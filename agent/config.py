@@ -6,7 +6,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-DEFAULT_SYSTEM_PROMPT = (
+VOICE_SYSTEM_PROMPT = (
     "You are a friendly voice assistant. Your words are spoken aloud, so answer in one or two "
     "short sentences of plain speech: no lists, no markdown, no emojis."
 )
@@ -45,7 +45,13 @@ class Settings(BaseSettings):
     llm_kv_cache_tokens: int = Field(
         16384, ge=256, description="KV cache size shared by all requests, in tokens."
     )
-    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    system_prompt: str | None = Field(
+        None,
+        description=(
+            "Assistant instructions. Default: a spoken-style prompt on gpu; on cpu none, so the "
+            "model's own default applies (SmolLM2-135M answers in French given any other prompt)."
+        ),
+    )
 
     tts_engine: Literal["piper"] = "piper"
     tts_voice: str | None = Field(
@@ -94,6 +100,10 @@ class Settings(BaseSettings):
             self.tts_voice = str(bundled.piper_joe())
         if self.stt_compute_type == "default" and self.stt_device == "cpu":
             self.stt_compute_type = "int8"
+        if self.system_prompt is None and self.profile == "gpu":
+            self.system_prompt = VOICE_SYSTEM_PROMPT
+        if self.system_prompt == "":
+            self.system_prompt = None
         if self.stt_language == "":
             self.stt_language = None
         return self

@@ -56,8 +56,8 @@ class LiveKitCaller:
                 raise TimeoutError("the agent never published audio into the room")
             await asyncio.sleep(0.05)
 
-    async def speak(self, pcm: bytes) -> float:
-        """Send mono PCM16 at 16 kHz at real-time pace; returns when the last sample was sent."""
+    async def speak(self, pcm: bytes) -> tuple[float, float]:
+        """Send mono PCM16 at 16 kHz at real-time pace; returns (first, last) sample sent, monotonic."""
         samples = np.frombuffer(pcm, dtype=np.int16)
         started = time.monotonic()
         for i, offset in enumerate(range(0, samples.size, FRAME_SAMPLES)):
@@ -67,7 +67,7 @@ class LiveKitCaller:
             frame = rtc.AudioFrame(chunk.tobytes(), SAMPLE_RATE, 1, FRAME_SAMPLES)
             await self._source.capture_frame(frame)
             await asyncio.sleep(max(0.0, started + (i + 1) * 0.02 - time.monotonic()))
-        return time.monotonic()
+        return started, time.monotonic()
 
     async def silence(self, seconds: float) -> None:
         await self.speak(b"\x00\x00" * int(seconds * SAMPLE_RATE))

@@ -73,13 +73,14 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
             return
         from agent.livekit_worker import create_agent_server
 
-        worker = create_agent_server(settings, app.state.engines, rooms)
-        app.state.livekit_worker = asyncio.create_task(run_livekit_worker(worker))
+        app.state.agent_server = create_agent_server(settings, app.state.engines, rooms)
+        app.state.livekit_worker = asyncio.create_task(run_livekit_worker(app.state.agent_server))
 
     app = FastAPI(title="voice-agent", lifespan=lifespan)
     app.state.engines = engines
     app.state.load_failed = False
     app.state.livekit_worker = None
+    app.state.agent_server = None  # livekit-agents AgentServer, when LiveKit is configured
     app.state.rooms = rooms
 
     def ready_engines() -> Engines:
@@ -106,6 +107,7 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
             },
             "sessions": len(sessions) + rooms.active,
             "transport": "livekit" if settings.livekit_enabled else "webrtc",
+            "livekit_worker": livekit_worker_id(app),
         }
 
     @app.post("/api/session")
@@ -216,6 +218,11 @@ def user_token(settings: Settings, room: str, identity: str) -> str:
         )
         .to_jwt()
     )
+
+
+def livekit_worker_id(app: FastAPI) -> str | None:
+    """The worker id LiveKit gave us, "unregistered" until then, None without LiveKit."""
+    return app.state.agent_server.id if app.state.agent_server is not None else None
 
 
 async def run_livekit_worker(worker) -> None:

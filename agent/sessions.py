@@ -36,6 +36,9 @@ class SessionRegistry:
         with self._lock:
             return self._sessions.get(key)
 
+    def __contains__(self, key: str) -> bool:
+        return key in self._sessions
+
     @property
     def active(self) -> int:
         return len(self._sessions)

@@ -23,7 +23,12 @@ class TransformersLLMService(LLMService):
     """
 
     def __init__(
-        self, engine: TransformersLLMEngine, *, system_prompt: str, max_tokens: int | None = None, **kwargs
+        self,
+        engine: TransformersLLMEngine,
+        *,
+        system_prompt: str | None,
+        max_tokens: int | None = None,
+        **kwargs,
     ):
         super().__init__(
             settings=LLMSettings(

@@ -88,6 +88,8 @@ class TransformersLLMEngine:
             ),
         )
         self._manager.start()
+        self._dispatch_loop = asyncio.new_event_loop()
+        threading.Thread(target=self._dispatch_loop.run_forever, name="llm-dispatch", daemon=True).start()
 
     @classmethod
     def load(
@@ -134,13 +136,14 @@ class TransformersLLMEngine:
         outputs: asyncio.Queue = asyncio.Queue()
 
         def on_output(output):
-            # transformers may run a whole step's callbacks on the event loop of whichever
-            # request registered last; hop to this request's own loop so conversations
-            # living on different threads (LiveKit THREAD executor) each get their own outputs.
-            loop.call_soon_threadsafe(outputs.put_nowait, output)
+            # Runs on the engine's dispatch loop; hop to the loop of the conversation that asked.
+            try:
+                loop.call_soon_threadsafe(outputs.put_nowait, output)
+            except RuntimeError:  # that conversation's loop is closed: nobody is listening
+                self.cancel(request_id)
 
         # Register before adding: the first token may arrive before add_request returns.
-        self._manager.register_result_handler(request_id, on_output)
+        await self._register_handler(request_id, on_output)
         with self._lock:
             self._active.add(request_id)
             self.stats.started += 1
@@ -176,6 +179,20 @@ class TransformersLLMEngine:
             if not finished:
                 self.cancel(request_id)
 
+    async def _register_handler(self, request_id: str, callback) -> None:
+        """Register `callback` on the engine's own dispatch loop.
+
+        transformers runs a whole step's callbacks on the event loop of whichever request
+        registered last, and raises in its generation thread (stopping generation for everyone)
+        if that loop has closed. Conversations come and go with their loops (LiveKit runs each
+        room on its own thread), so handlers live on one loop that lasts as long as the engine.
+        """
+
+        async def register() -> None:
+            self._manager.register_result_handler(request_id, callback)
+
+        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(register(), self._dispatch_loop))
+
     def cancel(self, request_id: str) -> None:
         """Stop a request inside the batch (idempotent)."""
         self._manager.cancel_request(request_id)
@@ -195,6 +212,7 @@ class TransformersLLMEngine:
     def close(self) -> None:
         if self._manager.is_running():
             self._manager.stop(block=True, timeout=5)
+        self._dispatch_loop.call_soon_threadsafe(self._dispatch_loop.stop)
 
 
 def _resolve_dtype(dtype: str, device: str) -> torch.dtype:

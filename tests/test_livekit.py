@@ -1,0 +1,182 @@
+"""The agent in real LiveKit rooms: dispatch, conversation, barge-in, leaving, and token scoping."""
+
+import asyncio
+import threading
+import time
+from datetime import timedelta
+
+import httpx
+import numpy as np
+import pytest
+from livekit import api, rtc
+
+from agent.livekit_caller import SAMPLE_RATE, LiveKitCaller
+from tests.livekit_fixtures import API_KEY, live_agent, livekit_url  # noqa: F401 (fixtures)
+from tests.speech import wer
+
+VOICE_RMS = 300.0  # PCM16 RMS above which received audio counts as the agent speaking
+
+
+async def open_session(agent) -> dict:
+    async with httpx.AsyncClient() as http:
+        response = await http.post(f"{agent.http}/api/session", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+async def join_room(agent) -> tuple[LiveKitCaller, str]:
+    session = await open_session(agent)
+    caller = LiveKitCaller(session["url"], session["token"])
+    await caller.join()
+    await caller.wait_for_agent()
+    return caller, session["room"]
+
+
+def speech_onset(pcm: bytes) -> float:
+    """Seconds of leading silence in `pcm`."""
+    samples = np.frombuffer(pcm, dtype=np.int16).astype(np.float32)
+    frames = samples[: samples.size // 320 * 320].reshape(-1, 320)
+    voiced = np.nonzero(np.sqrt((frames**2).mean(axis=1)) > VOICE_RMS)[0]
+    return float(voiced[0]) * 0.02 if voiced.size else 0.0
+
+
+async def wait_until_quiet(caller: LiveKitCaller, after: float, quiet: float = 1.5, timeout: float = 25.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        last = caller.last_voice_between(after, float("inf"), VOICE_RMS)
+        if last is not None and time.monotonic() - last > quiet:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError("the agent did not finish answering")
+
+
+async def wait_for_answer(agent, room: str, caller: LiveKitCaller, after: float, timeout: float = 40.0) -> None:
+    """Until the agent's reply to the latest user turn is in its context and has finished playing."""
+    conversation = agent.app.state.rooms.get(room)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        roles = [m["role"] for m in conversation.context.get_messages()]
+        if roles and roles[-1] == "assistant" and "user" in roles:
+            await wait_until_quiet(caller, after, quiet=1.0)
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError("the agent did not answer")
+
+
+async def ask(agent, caller: LiveKitCaller, room: str, say, question: str, engines) -> None:
+    """One spoken turn, checked: heard right, answered, and the answer sounds like its text."""
+    _, ended = await caller.speak(await say(question))
+    await wait_for_answer(agent, room, caller, ended)
+    conversation = agent.app.state.rooms.get(room)
+    heard = [m["content"] for m in conversation.context.get_messages() if m["role"] == "user"][-1]
+    assert wer(question, heard) <= 0.25, (question, heard)
+    reply = conversation.llm.replies[-1]
+    spoken = await engines.stt.transcribe(caller.audio(start=ended), SAMPLE_RATE)
+    assert wer(reply, spoken.text) <= 0.35, (reply, spoken.text)
+
+
+async def test_dispatch_and_a_spoken_answer(live_agent, engines, say):
+    caller, room = await join_room(live_agent)
+    try:
+        await caller.silence(0.5)
+        await ask(live_agent, caller, room, say, "What is the capital of France?", engines)
+    finally:
+        await caller.leave()
+
+
+async def test_two_rooms_at_once_share_the_engines(live_agent, engines, say):
+    (a, room_a), (b, room_b) = await asyncio.gather(join_room(live_agent), join_room(live_agent))
+    try:
+        assert room_a != room_b and live_agent.app.state.rooms.active == 2
+        conversation_a, conversation_b = (live_agent.app.state.rooms.get(r) for r in (room_a, room_b))
+        assert conversation_a.llm._engine is conversation_b.llm._engine is engines.llm
+        await asyncio.gather(
+            ask(live_agent, a, room_a, say, "How many legs does a spider have?", engines),
+            ask(live_agent, b, room_b, say, "What is the weather like in Paris today?", engines),
+        )
+    finally:
+        await asyncio.gather(a.leave(), b.leave())
+
+
+async def test_barge_in_over_webrtc(live_agent, engines, say):
+    caller, room = await join_room(live_agent)
+    try:
+        await caller.silence(0.5)
+        _, asked = await caller.speak(await say("Tell me a long story about a dragon and a brave knight."))
+        while caller.first_voice_after(asked, VOICE_RMS) is None:
+            assert time.monotonic() - asked < 20, "the agent never answered"
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1.0)  # the agent is mid-answer
+        interruption = await say("Stop. What is two plus two?")
+        started, ended = await caller.speak(interruption)
+        onset = started + speech_onset(interruption)
+
+        # The agent's old answer stops soon after the user starts talking (on received audio).
+        last_old = caller.last_voice_between(asked, ended, VOICE_RMS)
+        assert last_old - onset <= 0.5, f"agent audio went on {last_old - onset:.2f}s after the user cut in"
+        # And the agent answers the new question.
+        await wait_for_answer(live_agent, room, caller, ended)
+        assert caller.first_voice_after(ended, VOICE_RMS) is not None
+        conversation = live_agent.app.state.rooms.get(room)
+        assert "two plus two" in conversation.context.get_messages()[-2]["content"].lower().replace("2", "two")
+    finally:
+        await caller.leave()
+
+
+async def test_leaving_mid_answer_ends_only_that_session(live_agent, engines, say):
+    threads_before = threading.active_count()
+    stayer, stay_room = await join_room(live_agent)
+    leaver, leave_room = await join_room(live_agent)
+    try:
+        await leaver.silence(0.5)
+        _, asked = await leaver.speak(await say("Tell me a long story about a dragon and a brave knight."))
+        while leaver.first_voice_after(asked, VOICE_RMS) is None:
+            assert time.monotonic() - asked < 20, "the agent never answered"
+            await asyncio.sleep(0.05)
+        await leaver.leave()  # mid-answer
+
+        deadline = time.monotonic() + 15
+        while leave_room in live_agent.app.state.rooms:
+            assert time.monotonic() < deadline, "the session of the participant who left did not end"
+            await asyncio.sleep(0.1)
+        assert engines.llm.active_requests == 0
+
+        # The other room is undisturbed.
+        await stayer.silence(0.5)
+        await ask(live_agent, stayer, stay_room, say, "What is the capital of France?", engines)
+    finally:
+        await stayer.leave()
+    deadline = time.monotonic() + 15
+    while threading.active_count() > threads_before and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    assert threading.active_count() <= threads_before, [t.name for t in threading.enumerate()]
+
+
+async def test_tokens_are_scoped_to_one_room_and_expire(live_agent):
+    session = await open_session(live_agent)
+    claims = api.TokenVerifier("devkey", "secret").verify(session["token"])
+    assert claims.video.room == session["room"] and claims.video.room_join
+    assert not claims.video.room_admin and not claims.video.room_create and not claims.video.room_list
+    # A token names its room: the holder lands in that room and no other.
+    room = rtc.Room()
+    await room.connect(session["url"], session["token"])
+    assert room.name == session["room"]
+    await room.disconnect()
+
+    # Expired two minutes ago: beyond the server's one-minute allowance for clock skew.
+    expired = (
+        api.AccessToken("devkey", "secret")
+        .with_identity("late")
+        .with_ttl(timedelta(seconds=-120))
+        .with_grants(api.VideoGrants(room_join=True, room=session["room"]))
+        .to_jwt()
+    )
+    with pytest.raises(rtc.ConnectError):
+        await rtc.Room().connect(session["url"], expired)
+
+
+async def test_session_endpoint_needs_the_api_key(live_agent):
+    async with httpx.AsyncClient() as http:
+        missing = await http.post(f"{live_agent.http}/api/session")
+        wrong = await http.post(f"{live_agent.http}/api/session", headers={"Authorization": "Bearer nope"})
+    assert missing.status_code == 401 and wrong.status_code == 401
