@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 scripts/install.sh piper,dev
+scripts/install-livekit.sh
 exec .venv/bin/python -m pytest "$@"

@@ -28,6 +28,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.set_defaults(run=serve_command)
 
+    dev = commands.add_parser(
+        "dev",
+        help="local development: livekit-server (when installed), the worker and the HTTP server in one go",
+        description=(
+            "Start livekit-server in dev mode if it is on PATH (or in $GOPATH/bin), then serve the "
+            "agent with LiveKit: HTTP server and agent worker in this one process, sharing the "
+            "models. Without livekit-server, serve peer-to-peer WebRTC instead."
+        ),
+    )
+    dev.add_argument("--host", help="address to listen on (default: $HOST or 127.0.0.1)")
+    dev.add_argument("--port", type=int, help="port to listen on (default: $PORT or 7860)")
+    dev.add_argument("--livekit-port", type=int, default=7880, help="livekit-server port (default: 7880)")
+    dev.add_argument(
+        "--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="(default: INFO)"
+    )
+    dev.set_defaults(run=dev_command)
+
     worker = commands.add_parser(
         "worker",
         help="register with livekit-server and talk in every room the agent is dispatched to",
@@ -44,6 +61,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     worker.set_defaults(run=worker_command)
     return parser
+
+
+def dev_command(args: argparse.Namespace) -> None:
+    import os
+
+    from agent.livekit_server import DEV_API_KEY, DEV_API_SECRET, LiveKitServerProcess, find_livekit_server
+
+    if find_livekit_server() is None:
+        print("livekit-server not found; serving peer-to-peer WebRTC instead", flush=True)
+        serve_command(args)
+        return
+    with LiveKitServerProcess(port=args.livekit_port) as livekit:
+        print(f"livekit-server (dev keys) listening at {livekit.url}", flush=True)
+        os.environ.update(
+            LIVEKIT_URL=livekit.url, LIVEKIT_API_KEY=DEV_API_KEY, LIVEKIT_API_SECRET=DEV_API_SECRET
+        )
+        serve_command(args)
 
 
 def worker_command(args: argparse.Namespace) -> None:

@@ -161,7 +161,7 @@ async def test_offers_wait_while_models_load(settings):
         assert int(offer.headers["retry-after"]) > 0
 
 
-@pytest.mark.parametrize("args", [["--help"], ["serve", "--help"]])
+@pytest.mark.parametrize("args", [["--help"], ["serve", "--help"], ["dev", "--help"], ["worker", "--help"]])
 def test_cli_help(args):
     # Run the `voice-agent` console script's target as pyproject.toml declares it, since
     # the dev virtualenv does not install the project itself.

@@ -1,0 +1,80 @@
+"""A local livekit-server process in dev mode (keys devkey/secret), for development, tests and benchmarks."""
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "livekit.yaml"  # shared with Docker
+DEV_API_KEY, DEV_API_SECRET = "devkey", "secret"  # what `livekit-server --dev` accepts
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def find_livekit_server() -> str | None:
+    """`livekit-server` or Go's `server` binary on PATH, or in $GOPATH/bin."""
+    found = shutil.which("livekit-server") or shutil.which("server")
+    gopath_bin = Path(os.environ.get("GOPATH", Path.home() / "go")) / "bin" / "server"
+    return found or (str(gopath_bin) if gopath_bin.is_file() else None)
+
+
+class LiveKitServerProcess:
+    """`with LiveKitServerProcess() as lk: lk.url` — on loopback, on ports of its own."""
+
+    def __init__(self, port: int | None = None, log_path: Path | None = None):
+        self.binary = find_livekit_server()
+        if self.binary is None:
+            raise FileNotFoundError(
+                "livekit-server is not installed: go install github.com/livekit/livekit-server/cmd/server@v1.13.5"
+            )
+        self.port = port or free_port()
+        self.url = f"ws://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._process: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 30.0) -> "LiveKitServerProcess":
+        # UDP media ports near the signalling port, so two servers on one machine never collide.
+        udp = 40000 + self.port % 2000 * 10
+        log = self.log_path.open("w") if self.log_path else subprocess.DEVNULL
+        self._process = subprocess.Popen(
+            [
+                self.binary, "--config", str(CONFIG), "--dev", "--bind", "127.0.0.1",
+                "--node-ip", "127.0.0.1", "--port", str(self.port), "--rtc.tcp_port", str(free_port()),
+                "--rtc.port_range_start", str(udp), "--rtc.port_range_end", str(udp + 9),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}", timeout=1)
+                return self
+            except OSError:
+                if self._process.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"livekit-server did not start (log: {self.log_path})")
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self._process is None:
+            return
+        self._process.terminate()
+        try:
+            self._process.wait(10)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+        self._process = None
+
+    def __enter__(self) -> "LiveKitServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
