@@ -2,12 +2,10 @@
 
 import asyncio
 import logging
-import socket
 import subprocess
 import sys
 import threading
 import time
-import tomllib
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -21,6 +19,7 @@ import soxr
 from aiortc import MediaStreamTrack, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError
 
+from agent.livekit_server import free_port
 from agent.server import create_app
 from services.stt import WhisperEngine
 from services.tts_piper import PiperEngine
@@ -50,12 +49,6 @@ class Server:
         # -9 here usually means the kernel's OOM killer: the server holds every model.
         code = self.process.poll()
         assert code is None, f"server exited with {code}:\n{self.log_tail()}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pump_output(process: subprocess.Popen, lines: list[str]) -> None:
@@ -163,18 +156,9 @@ async def test_offers_wait_while_models_load(settings):
 
 @pytest.mark.parametrize("args", [["--help"], ["serve", "--help"], ["dev", "--help"], ["worker", "--help"]])
 def test_cli_help(args):
-    # Run the `voice-agent` console script's target as pyproject.toml declares it, since
-    # the dev virtualenv does not install the project itself.
-    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
-    target = pyproject["project"]["scripts"]["voice-agent"]
-    module, function = target.split(":")
-    result = subprocess.run(
-        [sys.executable, "-c", f"from {module} import {function}; {function}()", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    # The console script installed by `pip install -e .` into the test's virtualenv.
+    script = Path(sys.executable).parent / "voice-agent"
+    result = subprocess.run([str(script), *args], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("usage: voice-agent")
 
