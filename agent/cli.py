@@ -9,6 +9,19 @@ from loguru import logger
 LOG_LEVELS = ["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"]
 
 
+def add_log_level(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="(default: INFO)"
+    )
+
+
+def add_server_options(parser: argparse.ArgumentParser) -> None:
+    # Defaults stay None so that Settings (environment, .env) decides what is unset here.
+    parser.add_argument("--host", help="address to listen on (default: $HOST or 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port to listen on (default: $PORT or 7860)")
+    add_log_level(parser)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="voice-agent",
@@ -20,12 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve the agent and its browser client over HTTP and WebRTC",
         description="Load the models, then serve /health, /api/offer (WebRTC) and /client/.",
     )
-    # Defaults stay None so that Settings (environment, .env) decides what is unset here.
-    serve.add_argument("--host", help="address to listen on (default: $HOST or 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="port to listen on (default: $PORT or 7860)")
-    serve.add_argument(
-        "--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="(default: INFO)"
-    )
+    add_server_options(serve)
     serve.set_defaults(run=serve_command)
 
     dev = commands.add_parser(
@@ -37,12 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
             "models. Without livekit-server, serve peer-to-peer WebRTC instead."
         ),
     )
-    dev.add_argument("--host", help="address to listen on (default: $HOST or 127.0.0.1)")
-    dev.add_argument("--port", type=int, help="port to listen on (default: $PORT or 7860)")
+    add_server_options(dev)
     dev.add_argument("--livekit-port", type=int, default=7880, help="livekit-server port (default: 7880)")
-    dev.add_argument(
-        "--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="(default: INFO)"
-    )
     dev.set_defaults(run=dev_command)
 
     worker = commands.add_parser(
@@ -56,9 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     worker.add_argument("--agent-name", help="name to be dispatched by (default: $AGENT_NAME or voice-agent)")
     worker.add_argument("--max-sessions", type=int, help="rooms taken before refusing (default: $MAX_SESSIONS or 8)")
-    worker.add_argument(
-        "--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="(default: INFO)"
-    )
+    add_log_level(worker)
     worker.set_defaults(run=worker_command)
     return parser
 

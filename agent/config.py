@@ -59,7 +59,16 @@ class Settings(BaseSettings):
     )
     tts_workers: int = Field(2, ge=1, description="Sentences synthesized in parallel.")
 
+    vad_start_secs: float = Field(
+        0.15, gt=0, description="Speech before a user turn starts (and cuts the bot off)."
+    )
     vad_stop_secs: float = Field(0.2, gt=0, description="Silence before the turn detector runs.")
+    vad_min_volume: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="Smoothed loudness speech must reach; Pipecat's 0.6 adds ~0.1 s to barge-in.",
+    )
 
     livekit_url: str | None = Field(None, description="ws(s):// URL of livekit-server; unset = peer-to-peer WebRTC.")
     livekit_api_key: str | None = None

@@ -12,8 +12,8 @@ CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "livekit.yaml"  # s
 DEV_API_KEY, DEV_API_SECRET = "devkey", "secret"  # what `livekit-server --dev` accepts
 
 
-def free_port() -> int:
-    with socket.socket() as s:
+def free_port(kind: int = socket.SOCK_STREAM) -> int:
+    with socket.socket(socket.AF_INET, kind) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
@@ -40,14 +40,13 @@ class LiveKitServerProcess:
         self._process: subprocess.Popen | None = None
 
     def start(self, timeout: float = 30.0) -> "LiveKitServerProcess":
-        # UDP media ports near the signalling port, so two servers on one machine never collide.
-        udp = 40000 + self.port % 2000 * 10
         log = self.log_path.open("w") if self.log_path else subprocess.DEVNULL
         self._process = subprocess.Popen(
             [
                 self.binary, "--config", str(CONFIG), "--dev", "--bind", "127.0.0.1",
                 "--node-ip", "127.0.0.1", "--port", str(self.port), "--rtc.tcp_port", str(free_port()),
-                "--rtc.port_range_start", str(udp), "--rtc.port_range_end", str(udp + 9),
+                # All media on one free UDP port: no range to collide with another server's.
+                "--udp-port", str(free_port(socket.SOCK_DGRAM)),
             ],
             stdout=log,
             stderr=subprocess.STDOUT,

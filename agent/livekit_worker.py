@@ -32,7 +32,11 @@ def create_agent_server(settings: Settings, engines: Engines, sessions: SessionR
         job_executor_type=JobExecutorType.THREAD,
         load_fnc=lambda: sessions.load,
         load_threshold=1.0,  # our load is engine capacity: unavailable only when really full
-        num_idle_processes=0,
+        # livekit-agents estimates the load of a job it is about to accept as
+        # load_threshold / num_idle_processes; with 0 idle runners that is 1.0 and a second
+        # room arriving at the same moment is refused. One idle runner (a thread here) per
+        # session makes the estimate 1 / max_sessions, which is exactly what a session costs.
+        num_idle_processes=settings.max_sessions,
         port=0,  # the worker's own health endpoint: any free port; ours is on the HTTP server
     )
 

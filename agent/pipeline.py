@@ -55,7 +55,13 @@ def build_conversation(
     user_aggregator, assistant_aggregator = LLMContextAggregatorPair(
         context,
         user_params=LLMUserAggregatorParams(
-            vad_analyzer=SileroVADAnalyzer(params=VADParams(stop_secs=settings.vad_stop_secs)),
+            vad_analyzer=SileroVADAnalyzer(
+                params=VADParams(
+                    start_secs=settings.vad_start_secs,
+                    stop_secs=settings.vad_stop_secs,
+                    min_volume=settings.vad_min_volume,
+                )
+            ),
             # Default turn strategies: start on VAD or transcript, stop when smart-turn v3.2
             # (local ONNX) judges the turn complete.
         ),

@@ -6,6 +6,7 @@ from pipecat.frames.frames import (
     BotStartedSpeakingFrame,
     MetricsFrame,
     UserStartedSpeakingFrame,
+    UserStoppedSpeakingFrame,
     VADUserStoppedSpeakingFrame,
 )
 from pipecat.metrics.metrics import TTFBMetricsData
@@ -20,6 +21,7 @@ class TurnLatency:
     """Seconds, on the pipeline clock. `None` where a stage did not run in this turn."""
 
     user_speech_ended: float
+    turn_ended: float | None = None  # end of speech → turn judged complete (smart-turn + transcript)
     stt: float | None = None  # end of speech (VAD stop) → final transcript
     llm_first_token: float | None = None  # request → first token
     tts_first_audio: float | None = None  # first sentence in → first audio out
@@ -45,6 +47,8 @@ class TurnMetricsObserver(BaseObserver):
             self._pending = TurnLatency(user_speech_ended=now - frame.stop_secs)
         elif isinstance(frame, UserStartedSpeakingFrame):
             self.user_turn_started_at.append(now)
+        elif isinstance(frame, UserStoppedSpeakingFrame) and self._pending is not None:
+            self._pending.turn_ended = now - self._pending.user_speech_ended
         elif isinstance(frame, BotStartedSpeakingFrame):
             self.bot_started_at.append(now)
             if self._pending is not None:

@@ -36,7 +36,7 @@ QUESTIONS = [
     "What is the square root of sixty four?",
     "Which ocean is the biggest?",
 ]
-METRICS = ["stt", "llm_first_token", "tts_first_audio", "voice_to_voice"]
+METRICS = ["turn_ended", "stt", "llm_first_token", "tts_first_audio", "voice_to_voice"]
 QUIET_SECS = 1.5  # the bot counts as done once nothing has played for this long
 ANSWER_CAP_SECS = 15.0  # longest wait for a reply to start after the user stops speaking
 POLL_SECS = 0.1  # the user's microphone keeps sending silence in steps this long
@@ -57,6 +57,49 @@ def summary(values):
     values = [v for v in values if v is not None]
     mean = float(np.mean(values)) if values else None
     return {"n": len(values), "mean": mean, "p50": percentile(values, 50), "p95": percentile(values, 95)}
+
+
+def print_table(stats, names=None):
+    """`stats` maps a metric name to summary(): one row each (n, mean, p50, p95), in seconds."""
+    print(f"{'metric (seconds)':<18} {'n':>4} {'mean':>7} {'p50':>7} {'p95':>7}")
+    fmt = lambda v: f"{v:7.3f}" if v is not None else f"{'-':>7}"  # noqa: E731
+    for m in names or stats:
+        print(f"{m:<18} {stats[m]['n']:>4} {fmt(stats[m]['mean'])} {fmt(stats[m]['p50'])} {fmt(stats[m]['p95'])}")
+
+
+def machine_info(load_average_1m, **extra):
+    """The machine and library versions a result was measured with (call at the end of the run)."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = None
+    return {
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "pipecat": version("pipecat-ai"),
+        "transformers": version("transformers"),
+        "faster_whisper": version("faster-whisper"),
+        **extra,
+        "cuda_available": torch.cuda.is_available(),
+        "load_average_1m": load_average_1m,  # at the end of the run: other work on the machine skews every number
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
+        "git_commit": commit,
+    }
+
+
+def command_line(module):
+    return " ".join([Path(sys.executable).name, "-m", module, *sys.argv[1:]])
+
+
+def write_json(out, result):
+    """Write `result` to `out` atomically (via a temporary file next to it)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    tmp.replace(out)
 
 
 async def run_session(index, engines, settings, questions, audio):
@@ -158,32 +201,12 @@ async def main(args):
     print(f"user turns spoken {spoken}, answered {len(turns)} (turns with latency metrics), {replied} got reply audio")
     if stats["stt"]["n"] < len(turns):
         print("note: pipecat drops the STT metric of a turn whose transcript took over 2 s (stt_ttfb_timeout)")
-    print(f"{'metric (seconds)':<18} {'n':>4} {'mean':>7} {'p50':>7} {'p95':>7}")
-    fmt = lambda v: f"{v:7.3f}" if v is not None else f"{'-':>7}"  # noqa: E731
-    for m in METRICS:
-        print(f"{m:<18} {stats[m]['n']:>4} {fmt(stats[m]['mean'])} {fmt(stats[m]['p50'])} {fmt(stats[m]['p95'])}")
+    print_table(stats, METRICS)
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = None
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.executable).name, "-m", "bench.latency", *sys.argv[1:]]),
-        "machine": {
-            "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "pipecat": version("pipecat-ai"),
-            "transformers": version("transformers"),
-            "faster_whisper": version("faster-whisper"),
-            "cuda_available": torch.cuda.is_available(),
-            "load_average_1m": load,  # at the end of the run: other work on the machine skews every number
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
-            "git_commit": commit,
-        },
+        "command": command_line("bench.latency"),
+        "machine": machine_info(load),
         "models": {"stt": settings.stt_model, "llm": settings.llm_model, "tts": settings.tts_voice},
         "settings": settings.model_dump(mode="json"),  # secrets dump as "**********"
         "run": {
@@ -202,10 +225,7 @@ async def main(args):
         "turns": turns,
         "sessions": sessions,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    tmp.replace(out)
+    write_json(out, result)
     print(f"\nwrote {out}")
 
 

@@ -9,8 +9,9 @@ from tests.speech import speak_16k
 
 @pytest.fixture(scope="session")
 def settings() -> Settings:
-    # The default cache dir keeps the GGUF → HF conversion across runs.
-    return Settings(_env_file=None)
+    # The default cache dir keeps the GGUF → HF conversion across runs. Replies are capped
+    # shorter than the default: waiting for 96 tokens of speech per turn only slows the suite.
+    return Settings(_env_file=None, llm_max_new_tokens=48)
 
 
 @pytest.fixture(scope="session")

@@ -13,15 +13,16 @@ from tests.speech import wer
 BOT_RATE = 24000  # the pipeline's output rate
 
 
-async def wait_for_reply(session: LocalSession, *, after: float, quiet: float = 1.5, timeout: float = 20.0):
+async def wait_for_reply(session: LocalSession, *, after: float, quiet: float = 1.5, timeout: float = 60.0):
     """Wait until the bot has spoken after `after` and then been quiet for `quiet` seconds."""
+    await wait_for_speech(session, after=after)
     deadline = session.now() + timeout
     while session.now() < deadline:
         chunks = [c for c in session.played if c.started_at >= after]
-        if chunks and session.now() - (chunks[-1].started_at + chunks[-1].seconds) > quiet:
+        if session.now() - (chunks[-1].started_at + chunks[-1].seconds) > quiet:
             return
         await asyncio.sleep(0.1)
-    raise AssertionError(f"no complete bot reply within {timeout}s")
+    raise AssertionError(f"the bot's reply did not end within {timeout}s")
 
 
 async def wait_for_speech(session: LocalSession, *, after: float, timeout: float = 20.0):

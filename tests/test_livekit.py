@@ -75,6 +75,16 @@ async def ask(agent, caller: LiveKitCaller, room: str, say, question: str, engin
     assert wer(reply, spoken.text) <= 0.35, (reply, spoken.text)
 
 
+async def ask_for_a_long_answer(caller: LiveKitCaller, say) -> float:
+    """Ask for a story; returns when the agent has started telling it (and when the question ended)."""
+    await caller.silence(0.5)
+    _, asked = await caller.speak(await say("Tell me a long story about a dragon and a brave knight."))
+    while caller.first_voice_after(asked, VOICE_RMS) is None:
+        assert time.monotonic() - asked < 20, "the agent never answered"
+        await asyncio.sleep(0.05)
+    return asked
+
+
 async def test_dispatch_and_a_spoken_answer(live_agent, engines, say):
     caller, room = await join_room(live_agent)
     try:
@@ -101,11 +111,7 @@ async def test_two_rooms_at_once_share_the_engines(live_agent, engines, say):
 async def test_barge_in_over_webrtc(live_agent, engines, say):
     caller, room = await join_room(live_agent)
     try:
-        await caller.silence(0.5)
-        _, asked = await caller.speak(await say("Tell me a long story about a dragon and a brave knight."))
-        while caller.first_voice_after(asked, VOICE_RMS) is None:
-            assert time.monotonic() - asked < 20, "the agent never answered"
-            await asyncio.sleep(0.05)
+        asked = await ask_for_a_long_answer(caller, say)
         await asyncio.sleep(1.0)  # the agent is mid-answer
         interruption = await say("Stop. What is two plus two?")
         started, ended = await caller.speak(interruption)
@@ -128,11 +134,7 @@ async def test_leaving_mid_answer_ends_only_that_session(live_agent, engines, sa
     stayer, stay_room = await join_room(live_agent)
     leaver, leave_room = await join_room(live_agent)
     try:
-        await leaver.silence(0.5)
-        _, asked = await leaver.speak(await say("Tell me a long story about a dragon and a brave knight."))
-        while leaver.first_voice_after(asked, VOICE_RMS) is None:
-            assert time.monotonic() - asked < 20, "the agent never answered"
-            await asyncio.sleep(0.05)
+        await ask_for_a_long_answer(leaver, say)
         await leaver.leave()  # mid-answer
 
         deadline = time.monotonic() + 15
