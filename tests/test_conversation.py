@@ -8,7 +8,7 @@ from agent.local_session import LocalSession
 from services.llm import TransformersLLMEngine
 from services.stt import WhisperEngine
 from services.tts_piper import PiperEngine
-from tests.speech import wer
+from tests.speech import normalize, wer
 
 BOT_RATE = 24000  # the pipeline's output rate
 
@@ -118,10 +118,12 @@ async def test_interruption_stops_audio_cancels_llm_and_cuts_context(engines, se
     assistant = [m["content"] for m in conversation.context.get_messages() if m["role"] == "assistant"]
     heard_story = assistant[0]
     assert 0 < len(heard_story) < len(full_story), (heard_story, full_story)
-    # What the context says was said is what was actually played.
+    # The context keeps the start of the reply, word for word ...
+    assert normalize(full_story).startswith(normalize(heard_story)), (heard_story, full_story)
+    # ... and as many words as were actually played (word timings are estimated: ±3 words).
     played = session.played_audio(start=asked, end=cut_in + 0.3)
     spoken = await engines.stt.transcribe(played, BOT_RATE)
-    assert wer(heard_story, spoken.text) <= 0.35, (heard_story, spoken.text)
+    assert abs(len(spoken.text.split()) - len(heard_story.split())) <= 3, (heard_story, spoken.text)
     # And the conversation went on: the new question was heard and the bot answered it aloud.
     assert "cats" in user_messages(session)[-1].lower()
     assert "cats" in conversation.llm.prompts[-1][-1]["content"].lower()
