@@ -22,6 +22,13 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
     add_log_level(parser)
 
 
+def settings_from(args: argparse.Namespace, *names: str):
+    """Settings from the environment and .env, with the options given on the command line on top."""
+    from agent.config import Settings
+
+    return Settings(**{name: getattr(args, name) for name in names if getattr(args, name) is not None})
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="voice-agent",
@@ -83,15 +90,13 @@ def dev_command(args: argparse.Namespace) -> None:
 
 
 def worker_command(args: argparse.Namespace) -> None:
-    from agent.config import Settings
     from agent.engines import load_engines_warm
     from agent.livekit_worker import create_agent_server
     from agent.sessions import SessionRegistry
 
     logger.remove()
     logger.add(sys.stderr, level=args.log_level)
-    overrides = {"agent_name": args.agent_name, "max_sessions": args.max_sessions}
-    settings = Settings(**{name: value for name, value in overrides.items() if value is not None})
+    settings = settings_from(args, "agent_name", "max_sessions")
     if not settings.livekit_enabled:
         sys.exit("voice-agent worker needs LIVEKIT_URL, LIVEKIT_API_KEY and LIVEKIT_API_SECRET")
 
@@ -112,13 +117,11 @@ def serve_command(args: argparse.Namespace) -> None:
     # Imported here so that `--help` answers without loading pipecat and torch.
     import uvicorn
 
-    from agent.config import Settings
     from agent.server import create_app
 
     logger.remove()
     logger.add(sys.stderr, level=args.log_level)
-    overrides = {name: getattr(args, name) for name in ("host", "port")}
-    settings = Settings(**{name: value for name, value in overrides.items() if value is not None})
+    settings = settings_from(args, "host", "port")
     app = create_app(settings)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=args.log_level.lower()

@@ -56,8 +56,6 @@ def create_agent_server(settings: Settings, engines: Engines, sessions: SessionR
             return
         try:
             await run_room(ctx, room, settings, engines, sessions)
-        except Exception:
-            logger.exception(f"room {room}: conversation failed")  # never reaches other rooms
         finally:
             sessions.release(room)
             ctx.shutdown("conversation ended")
@@ -90,5 +88,4 @@ async def run_room(
             await end(f"{participant_id} left")
 
     ctx.add_shutdown_callback(lambda: end("job shut down"))
-    logger.info(f"room {room}: conversation starting")
-    await run_conversation(conversation)
+    await run_conversation(conversation, f"in room {room}")

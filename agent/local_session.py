@@ -22,7 +22,7 @@ class LocalSession:
         self._task: asyncio.Task | None = None
 
     async def __aenter__(self) -> "LocalSession":
-        self._task = asyncio.create_task(run_conversation(self.conversation))
+        self._task = asyncio.create_task(run_conversation(self.conversation, "local"))
         await asyncio.wait_for(self.transport.input().started.wait(), timeout=30)
         return self
 

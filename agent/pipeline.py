@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass
 
+from loguru import logger
 from pipecat.audio.vad.silero import SileroVADAnalyzer
 from pipecat.audio.vad.vad_analyzer import VADParams
 from pipecat.observers.base_observer import BaseObserver
@@ -108,8 +109,17 @@ def build_conversation(
     )
 
 
-async def run_conversation(conversation: Conversation) -> None:
-    """Run one conversation until its transport ends it (or it is cancelled)."""
+async def run_conversation(conversation: Conversation, name: str) -> None:
+    """Run one conversation until its transport ends it (or it is cancelled).
+
+    Its failure is logged here and never reaches another conversation in the process.
+    """
     runner = WorkerRunner(handle_sigint=False)  # the server owns the process' signals
-    await runner.add_workers(conversation.worker)
-    await runner.run()
+    logger.info(f"conversation {name} started")
+    try:
+        await runner.add_workers(conversation.worker)
+        await runner.run()
+    except Exception:
+        logger.exception(f"conversation {name} failed")
+    finally:
+        logger.info(f"conversation {name} ended")

@@ -21,7 +21,7 @@ from pipecat_ai_prebuilt.frontend import PipecatPrebuiltUI
 
 from agent.config import Settings
 from agent.engines import Engines, load_engines_warm
-from agent.pipeline import Conversation, build_conversation, run_conversation
+from agent.pipeline import build_conversation, run_conversation
 from agent.sessions import SessionRegistry
 
 RETRY_AFTER_SECS = 5
@@ -31,8 +31,10 @@ SHUTDOWN_GRACE_SECS = 5
 def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
     """The app; without `engines` it loads them itself at startup, in the background."""
     handler = SmallWebRTCRequestHandler()
-    sessions: set[asyncio.Task] = set()  # peer-to-peer conversations
-    rooms = SessionRegistry(settings.max_sessions)  # LiveKit conversations
+    # Every conversation of this process, peer-to-peer or LiveKit: they share the engines, so
+    # they share the capacity too.
+    sessions = SessionRegistry(settings.max_sessions)
+    peer_tasks: set[asyncio.Task] = set()  # peer-to-peer conversations, awaited at shutdown
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -50,8 +52,8 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
             await asyncio.gather(app.state.livekit_worker, return_exceptions=True)
         # Closing the peer connections fires on_client_disconnected, which ends each session.
         await handler.close()
-        if sessions:
-            _, stuck = await asyncio.wait(sessions, timeout=SHUTDOWN_GRACE_SECS)
+        if peer_tasks:
+            _, stuck = await asyncio.wait(peer_tasks, timeout=SHUTDOWN_GRACE_SECS)
             for task in stuck:
                 task.cancel()
             await asyncio.gather(*stuck, return_exceptions=True)
@@ -73,7 +75,7 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
             return
         from agent.livekit_worker import create_agent_server
 
-        app.state.agent_server = create_agent_server(settings, app.state.engines, rooms)
+        app.state.agent_server = create_agent_server(settings, app.state.engines, sessions)
         app.state.livekit_worker = asyncio.create_task(run_livekit_worker(app.state.agent_server))
 
     app = FastAPI(title="voice-agent", lifespan=lifespan)
@@ -81,7 +83,7 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
     app.state.load_failed = False
     app.state.livekit_worker = None
     app.state.agent_server = None  # livekit-agents AgentServer, when LiveKit is configured
-    app.state.rooms = rooms
+    app.state.sessions = sessions  # live conversations by room name (LiveKit) or pc_id
 
     def ready_engines() -> Engines:
         engines = app.state.engines
@@ -105,7 +107,7 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
                 "llm": engines.llm.name,
                 "tts": engines.tts.voice_path.stem,
             },
-            "sessions": len(sessions) + rooms.active,
+            "sessions": sessions.active,
             "transport": "livekit" if settings.livekit_enabled else "webrtc",
             "livekit_worker": livekit_worker_id(app),
         }
@@ -133,6 +135,12 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
     @app.post("/api/offer")
     async def offer(request: SmallWebRTCRequest):
         engines = ready_engines()
+        if sessions.full:
+            raise HTTPException(
+                503,
+                f"all {sessions.capacity} sessions are in use",
+                headers={"Retry-After": str(RETRY_AFTER_SECS)},
+            )
         failures: list[Exception] = []
 
         async def on_new_connection(connection: SmallWebRTCConnection) -> None:
@@ -156,20 +164,24 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
         return {"status": "success"}
 
     def start_session(connection: SmallWebRTCConnection, engines: Engines) -> None:
+        if not sessions.reserve(connection.pc_id):
+            raise RuntimeError(f"no free session slot ({sessions.capacity} in use)")
         transport = SmallWebRTCTransport(
             webrtc_connection=connection,
             params=TransportParams(audio_in_enabled=True, audio_out_enabled=True),
         )
         conversation = build_conversation(transport, engines, settings)
+        sessions.attach(connection.pc_id, conversation)
 
         @transport.event_handler("on_client_disconnected")
         async def on_client_disconnected(transport, client):
             logger.info(f"client {connection.pc_id} disconnected")
             await conversation.worker.cancel()
 
-        task = asyncio.create_task(run_session(conversation, connection.pc_id))
-        sessions.add(task)
-        task.add_done_callback(sessions.discard)
+        task = asyncio.create_task(run_conversation(conversation, connection.pc_id))
+        peer_tasks.add(task)
+        task.add_done_callback(peer_tasks.discard)
+        task.add_done_callback(lambda _: sessions.release(connection.pc_id))
 
     app.mount("/client", PipecatPrebuiltUI)
 
@@ -178,17 +190,6 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
         return RedirectResponse(url="/client/")
 
     return app
-
-
-async def run_session(conversation: Conversation, pc_id: str) -> None:
-    """One conversation; its failure is logged here and never reaches another session."""
-    logger.info(f"conversation {pc_id} started")
-    try:
-        await run_conversation(conversation)
-    except Exception:
-        logger.exception(f"conversation {pc_id} failed")
-    finally:
-        logger.info(f"conversation {pc_id} ended")
 
 
 def check_api_key(settings: Settings, authorization: str | None) -> None:

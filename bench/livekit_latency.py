@@ -267,7 +267,7 @@ async def run_with_agent(args, settings, engines, questions, audio) -> dict:
         joined = time.monotonic()
         await caller.join()
         await caller.wait_for_agent(STARTUP_SECS)
-        conversation = await wait_for(lambda: app.state.rooms.get(session["room"]), "the room's conversation")
+        conversation = await wait_for(lambda: app.state.sessions.get(session["room"]), "the room's conversation")
         print(f"joined room {session['room']}; agent audio track after {time.monotonic() - joined:.2f}s", flush=True)
         await caller.silence(1.0)  # a moment of room tone before the first word
         ear = Ear(caller)
@@ -291,7 +291,7 @@ async def run_with_agent(args, settings, engines, questions, audio) -> dict:
             await caller.leave()
             print("caller left", flush=True)
             try:  # the agent ends the conversation when the last user leaves
-                await wait_for(lambda: app.state.rooms.active == 0, "the agent to end the room", SHUTDOWN_SECS, 0.1)
+                await wait_for(lambda: app.state.sessions.active == 0, "the agent to end the room", SHUTDOWN_SECS, 0.1)
             except TimeoutError as e:
                 print(f"warning: {e}", flush=True)
         server.should_exit = True

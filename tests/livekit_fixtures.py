@@ -29,7 +29,7 @@ def livekit_url(tmp_path_factory):
 class LiveAgent:
     http: str  # base URL of the agent's HTTP server
     livekit_url: str
-    app: object  # the FastAPI app: app.state.rooms holds the live conversations
+    app: object  # the FastAPI app: app.state.sessions holds the live conversations
 
 
 @pytest.fixture(scope="session")

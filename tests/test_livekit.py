@@ -52,7 +52,7 @@ async def wait_until_quiet(caller: LiveKitCaller, after: float, quiet: float = 1
 
 async def wait_for_answer(agent, room: str, caller: LiveKitCaller, after: float, timeout: float = 40.0) -> None:
     """Until the agent's reply to the latest user turn is in its context and has finished playing."""
-    conversation = agent.app.state.rooms.get(room)
+    conversation = agent.app.state.sessions.get(room)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         roles = [m["role"] for m in conversation.context.get_messages()]
@@ -67,7 +67,7 @@ async def ask(agent, caller: LiveKitCaller, room: str, say, question: str, engin
     """One spoken turn, checked: heard right, answered, and the answer sounds like its text."""
     _, ended = await caller.speak(await say(question))
     await wait_for_answer(agent, room, caller, ended)
-    conversation = agent.app.state.rooms.get(room)
+    conversation = agent.app.state.sessions.get(room)
     heard = [m["content"] for m in conversation.context.get_messages() if m["role"] == "user"][-1]
     assert wer(question, heard) <= 0.25, (question, heard)
     reply = conversation.llm.replies[-1]
@@ -97,8 +97,8 @@ async def test_dispatch_and_a_spoken_answer(live_agent, engines, say):
 async def test_two_rooms_at_once_share_the_engines(live_agent, engines, say):
     (a, room_a), (b, room_b) = await asyncio.gather(join_room(live_agent), join_room(live_agent))
     try:
-        assert room_a != room_b and live_agent.app.state.rooms.active == 2
-        conversation_a, conversation_b = (live_agent.app.state.rooms.get(r) for r in (room_a, room_b))
+        assert room_a != room_b and live_agent.app.state.sessions.active == 2
+        conversation_a, conversation_b = (live_agent.app.state.sessions.get(r) for r in (room_a, room_b))
         assert conversation_a.llm._engine is conversation_b.llm._engine is engines.llm
         await asyncio.gather(
             ask(live_agent, a, room_a, say, "How many legs does a spider have?", engines),
@@ -123,7 +123,7 @@ async def test_barge_in_over_webrtc(live_agent, engines, say):
         # And the agent answers the new question.
         await wait_for_answer(live_agent, room, caller, ended)
         assert caller.first_voice_after(ended, VOICE_RMS) is not None
-        conversation = live_agent.app.state.rooms.get(room)
+        conversation = live_agent.app.state.sessions.get(room)
         assert "two plus two" in conversation.context.get_messages()[-2]["content"].lower().replace("2", "two")
     finally:
         await caller.leave()
@@ -138,7 +138,7 @@ async def test_leaving_mid_answer_ends_only_that_session(live_agent, engines, sa
         await leaver.leave()  # mid-answer
 
         deadline = time.monotonic() + 15
-        while leave_room in live_agent.app.state.rooms:
+        while leave_room in live_agent.app.state.sessions:
             assert time.monotonic() < deadline, "the session of the participant who left did not end"
             await asyncio.sleep(0.1)
         assert engines.llm.active_requests == 0
