@@ -14,6 +14,8 @@ VOICE_SYSTEM_PROMPT = (
 # Models the `gpu` profile uses when nothing else is configured (hub ids or baked-in directories).
 GPU_STT_MODEL = "large-v3-turbo"
 GPU_LLM_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+ORPHEUS_MODEL = "canopylabs/orpheus-3b-0.1-ft"
+SNAC_MODEL = "hubertsiuzdak/snac_24khz"
 
 
 class Settings(BaseSettings):
@@ -53,11 +55,31 @@ class Settings(BaseSettings):
         ),
     )
 
-    tts_engine: Literal["piper"] = "piper"
-    tts_voice: str | None = Field(
-        None, description="Piper .onnx voice path; default: bundled en_US-joe-medium."
+    tts_engine: Literal["piper", "orpheus"] | None = Field(
+        None, description="piper or orpheus; default: orpheus on gpu, piper on cpu."
     )
-    tts_workers: int = Field(2, ge=1, description="Sentences synthesized in parallel.")
+    tts_voice: str | None = Field(
+        None,
+        description=(
+            "Orpheus voice name (tara, leah, jess, leo, dan, mia, zac, zoe; default tara) or "
+            "Piper .onnx path (default: bundled en_US-joe-medium)."
+        ),
+    )
+    tts_workers: int = Field(2, ge=1, description="Piper: sentences synthesized in parallel.")
+    orpheus_model: str = Field(ORPHEUS_MODEL, description="Orpheus LM: hub id or local directory.")
+    snac_model: str = Field(SNAC_MODEL, description="SNAC 24 kHz codec: hub id or local directory.")
+    tts_dtype: str = Field("auto", description="Orpheus LM dtype: auto (bfloat16 on cuda), float32, ...")
+    tts_temperature: float = Field(0.6, gt=0, description="Orpheus sampling temperature.")
+    tts_top_p: float = Field(0.8, gt=0, le=1, description="Orpheus nucleus sampling.")
+    tts_max_streams: int = Field(32, ge=1, description="Orpheus utterances generated together per step.")
+    tts_kv_cache_tokens: int = Field(
+        65536, ge=256, description="Orpheus KV cache shared by all streams, in tokens (112 KiB each in bf16)."
+    )
+    snac_max_batch: int = Field(32, ge=1, description="SNAC windows decoded in one call.")
+    snac_max_wait_ms: float = Field(
+        2.0, ge=0, description="How long a SNAC window waits for others to batch with."
+    )
+    tts_compile: bool = Field(False, description="torch.compile the SNAC decoder (GPU).")
 
     vad_start_secs: float = Field(
         0.15, gt=0, description="Speech before a user turn starts (and cuts the bot off)."
@@ -105,8 +127,10 @@ class Settings(BaseSettings):
             )
         if self.llm_model is None:
             self.llm_model = GPU_LLM_MODEL if self.profile == "gpu" else str(bundled.smollm2_gguf())
+        if self.tts_engine is None:
+            self.tts_engine = "orpheus" if self.profile == "gpu" else "piper"
         if self.tts_voice is None:
-            self.tts_voice = str(bundled.piper_joe())
+            self.tts_voice = "tara" if self.tts_engine == "orpheus" else str(bundled.piper_joe())
         if self.stt_compute_type == "default" and self.stt_device == "cpu":
             self.stt_compute_type = "int8"
         if self.system_prompt is None and self.profile == "gpu":

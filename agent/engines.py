@@ -8,6 +8,7 @@ from loguru import logger
 
 from agent.config import Settings
 from services.llm import TransformersLLMEngine
+from services.orpheus import OrpheusEngine
 from services.stt import WhisperEngine
 from services.tts_piper import PiperEngine
 
@@ -16,7 +17,7 @@ from services.tts_piper import PiperEngine
 class Engines:
     stt: WhisperEngine
     llm: TransformersLLMEngine
-    tts: PiperEngine
+    tts: PiperEngine | OrpheusEngine
     ready: bool = False
 
     async def warmup(self) -> None:
@@ -58,12 +59,30 @@ def load_engines(settings: Settings) -> Engines:
         max_batch_requests=settings.llm_max_batch,
         kv_cache_tokens=settings.llm_kv_cache_tokens,
     )
-    tts = PiperEngine(
+    return Engines(stt=stt, llm=llm, tts=load_tts(settings))
+
+
+def load_tts(settings: Settings) -> PiperEngine | OrpheusEngine:
+    if settings.tts_engine == "orpheus":
+        return OrpheusEngine.load(
+            settings.orpheus_model,
+            settings.snac_model,
+            device=settings.tts_device,
+            dtype=settings.tts_dtype,
+            compile=settings.tts_compile,
+            snac_max_batch=settings.snac_max_batch,
+            snac_max_wait_ms=settings.snac_max_wait_ms,
+            voice=settings.tts_voice,
+            temperature=settings.tts_temperature,
+            top_p=settings.tts_top_p,
+            max_streams=settings.tts_max_streams,
+            kv_cache_tokens=settings.tts_kv_cache_tokens,
+        )
+    return PiperEngine(
         settings.tts_voice,
         workers=settings.tts_workers,
         use_cuda=settings.tts_device.startswith("cuda"),
     )
-    return Engines(stt=stt, llm=llm, tts=tts)
 
 
 async def load_engines_warm(settings: Settings) -> Engines:

@@ -24,7 +24,7 @@ from agent.turn_metrics import TurnMetricsObserver
 from frames.audio_guard import InputAudioGuard
 from frames.llm import TransformersLLMService
 from frames.stt import WhisperSTTService
-from frames.tts import PiperTTSService
+from frames.tts import LocalTTSService
 
 AUDIO_IN_SAMPLE_RATE = 16000  # what Silero, smart-turn and Whisper all want
 AUDIO_OUT_SAMPLE_RATE = 24000  # Orpheus' native rate; transports resample for their codec
@@ -40,7 +40,7 @@ class Conversation:
     stt: WhisperSTTService
     user_aggregator: LLMUserAggregator
     llm: TransformersLLMService
-    tts: PiperTTSService
+    tts: LocalTTSService
     assistant_aggregator: LLMAssistantAggregator
     turns: TurnMetricsObserver
 
@@ -72,7 +72,7 @@ def build_conversation(
     llm = TransformersLLMService(
         engines.llm, system_prompt=settings.system_prompt, max_tokens=settings.llm_max_new_tokens
     )
-    tts = PiperTTSService(engines.tts)
+    tts = LocalTTSService(engines.tts)
     pipeline = Pipeline(
         [
             transport.input(),

@@ -105,7 +105,7 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
                 # A bundled model's directory is just ".../model", so the whole path says more.
                 "stt": engines.stt.model_name,
                 "llm": engines.llm.name,
-                "tts": engines.tts.voice_path.stem,
+                "tts": engines.tts.voice,
             },
             "sessions": sessions.active,
             "transport": "livekit" if settings.livekit_enabled else "webrtc",

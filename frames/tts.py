@@ -1,19 +1,28 @@
-"""Pipecat TTS service over the shared PiperEngine, with word timing so interruptions cut the context exactly."""
+"""Pipecat TTS service over a shared TTS engine (Piper or Orpheus), with word timing so interruptions cut the context exactly."""
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
+from typing import Protocol
 
 from loguru import logger
 from pipecat.frames.frames import ErrorFrame, Frame, TTSAudioRawFrame
 from pipecat.services.settings import TTSSettings
 from pipecat.services.tts_service import TTSService
 
-from services.tts_piper import PiperEngine
+
+class SpeechEngine(Protocol):
+    """What the service needs of an engine: PiperEngine and OrpheusEngine both fit."""
+
+    sample_rate: int
+    voice: str
+
+    def stream(self, text: str) -> AsyncIterator[bytes]: ...
 
 
 def estimate_word_times(text: str, start: float, duration: float) -> list[tuple[str, float]]:
     """Spread the words of `text` over `duration` seconds in proportion to their length.
 
-    Piper gives no word timings. Without any, Pipecat adds a sentence to the context only
+    Neither Piper nor Orpheus gives word timings. Without any, Pipecat adds a sentence to the context only
     after all of it played, so a cut-in mid-sentence loses words that were heard; with these
     estimates the context keeps the words that had started playing.
     """
@@ -27,15 +36,20 @@ def estimate_word_times(text: str, start: float, duration: float) -> list[tuple[
     return times
 
 
-class PiperTTSService(TTSService):
-    """Speaks each sentence from the LLM with the process-wide Piper voice."""
+class LocalTTSService(TTSService):
+    """Speaks each sentence from the LLM with the process-wide TTS engine.
 
-    def __init__(self, engine: PiperEngine, **kwargs):
+    On an interruption Pipecat cancels the task running `run_tts`; closing the engine's
+    stream then cancels its request inside the shared batch (Orpheus: generation and queued
+    SNAC windows), so a cut-off reply stops costing compute at once.
+    """
+
+    def __init__(self, engine: SpeechEngine, **kwargs):
         super().__init__(
             push_text_frames=False,  # text follows the audio word by word (word timestamps)
             push_start_frame=True,
             push_stop_frames=True,
-            settings=TTSSettings(model=None, voice=engine.voice_path.stem, language=None),
+            settings=TTSSettings(model=None, voice=engine.voice, language=None),
             **kwargs,
         )
         self._engine = engine
@@ -51,12 +65,17 @@ class PiperTTSService(TTSService):
         start = self._context_seconds.get(context_id, 0.0)
         seconds = 0.0
         try:
-            async for frame in self._stream_audio_frames_from_iterator(
-                self._engine.stream(text), in_sample_rate=self._engine.sample_rate, context_id=context_id
-            ):
-                if isinstance(frame, TTSAudioRawFrame):
-                    seconds += len(frame.audio) / 2 / frame.sample_rate
-                yield frame
+            # aclosing: when Pipecat stops this generator, the engine's stream closes at once
+            # (cancelling its batched request) instead of whenever it is garbage collected.
+            async with aclosing(self._engine.stream(text)) as audio, aclosing(
+                self._stream_audio_frames_from_iterator(
+                    audio, in_sample_rate=self._engine.sample_rate, context_id=context_id
+                )
+            ) as frames:
+                async for frame in frames:
+                    if isinstance(frame, TTSAudioRawFrame):
+                        seconds += len(frame.audio) / 2 / frame.sample_rate
+                    yield frame
         except Exception as e:  # one failed sentence must not end the conversation
             logger.exception(f"{self}: synthesis failed for [{text}]")
             yield ErrorFrame(error=f"TTS failed: {e}")

@@ -1,37 +1,19 @@
 """LLM engine: one transformers model with continuous batching, streaming to every conversation."""
 
-import asyncio
 import hashlib
-import math
 import json
 import shutil
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from contextlib import aclosing
 from pathlib import Path
 
 import torch
 from loguru import logger
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-PAGE_SIZE = 256  # tokens per KV-cache page
-
-
-@dataclass
-class LLMEngineStats:
-    """Lifetime request counts; read by tests and metrics."""
-
-    started: int = 0
-    finished: int = 0
-    cancelled: int = 0
-    failed: int = 0
-
-
-class LLMRequestError(RuntimeError):
-    """The engine failed this one request (others keep running)."""
+from services.batched_generation import ContinuousBatchGenerator, resolve_dtype
 
 
 class TransformersLLMEngine:
@@ -61,35 +43,25 @@ class TransformersLLMEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
-        self.stats = LLMEngineStats()
-        self._active: set[str] = set()
-        self._lock = threading.Lock()
         eos = model.generation_config.eos_token_id
         if eos is None:
             eos = tokenizer.eos_token_id
-        generation_config = GenerationConfig(
-            max_new_tokens=max_new_tokens,
-            do_sample=temperature > 0,
-            temperature=temperature if temperature > 0 else None,
-            top_p=top_p if temperature > 0 else None,
-            eos_token_id=eos,
-            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
-        )
-        self._manager = model.init_continuous_batching(
-            generation_config=generation_config,
-            continuous_batching_config=ContinuousBatchingConfig(
-                max_requests_per_batch=max_batch_requests,
-                # Left unset, the paged KV cache takes 60-90% of all free memory (on CPU: of
-                # system RAM, ~14 GB here). Size it for what the sessions need instead.
-                num_blocks=math.ceil(kv_cache_tokens / PAGE_SIZE),
-                page_size=PAGE_SIZE,
-                max_batch_tokens=max_batch_tokens,
-                auto_switch_to_flash=False,
+        self.generator = ContinuousBatchGenerator(
+            model,
+            GenerationConfig(
+                max_new_tokens=max_new_tokens,
+                do_sample=temperature > 0,
+                temperature=temperature if temperature > 0 else None,
+                top_p=top_p if temperature > 0 else None,
+                eos_token_id=eos,
+                pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
             ),
+            max_batch_requests=max_batch_requests,
+            kv_cache_tokens=kv_cache_tokens,
+            max_batch_tokens=max_batch_tokens,
+            name="llm",
         )
-        self._manager.start()
-        self._dispatch_loop = asyncio.new_event_loop()
-        threading.Thread(target=self._dispatch_loop.run_forever, name="llm-dispatch", daemon=True).start()
+        self.stats = self.generator.stats
 
     @classmethod
     def load(
@@ -109,7 +81,7 @@ class TransformersLLMEngine:
         if gguf_file:
             source = str(_hf_cache_of_gguf(Path(source) / gguf_file, cache_dir))
         started = time.perf_counter()
-        torch_dtype = _resolve_dtype(dtype, device)
+        torch_dtype = resolve_dtype(dtype, device)
         tokenizer = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype).to(device).eval()
         logger.info(f"LLM {source} loaded on {device} in {time.perf_counter() - started:.1f}s")
@@ -130,79 +102,29 @@ class TransformersLLMEngine:
         max_new_tokens: int | None = None,
     ) -> AsyncIterator[str]:
         """Generate a reply to `messages`, yielding text as it is produced."""
-        request_id = request_id or f"llm-{uuid.uuid4().hex[:12]}"
-        prompt = self.encode_chat(messages)
-        loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue = asyncio.Queue()
-
-        def on_output(output):
-            # Runs on the engine's dispatch loop; hop to the loop of the conversation that asked.
-            try:
-                loop.call_soon_threadsafe(outputs.put_nowait, output)
-            except RuntimeError:  # that conversation's loop is closed: nobody is listening
-                self.cancel(request_id)
-
-        # Register before adding: the first token may arrive before add_request returns.
-        await self._register_handler(request_id, on_output)
-        with self._lock:
-            self._active.add(request_id)
-            self.stats.started += 1
-        self._manager.add_request(
-            prompt,
-            request_id=request_id,
-            max_new_tokens=max_new_tokens or self.max_new_tokens,
-            streaming=True,
-        )
-        finished = False
+        tokens: list[int] = []
         emitted = ""
-        try:
-            while True:
-                output = await outputs.get()
-                if output.error:
-                    with self._lock:
-                        self.stats.failed += 1
-                    finished = True
-                    raise LLMRequestError(f"LLM request {request_id} failed: {output.error}")
-                text = self.tokenizer.decode(output.generated_tokens, skip_special_tokens=True)
+        generated = self.generator.stream(
+            self.encode_chat(messages),
+            request_id=request_id or f"llm-{uuid.uuid4().hex[:12]}",
+            max_new_tokens=max_new_tokens or self.max_new_tokens,
+        )
+        async with aclosing(generated):  # leaving early cancels the request in the batch
+            async for new in generated:
+                tokens += new
+                text = self.tokenizer.decode(tokens, skip_special_tokens=True)
                 # A multi-byte character split across tokens decodes to U+FFFD until complete.
                 if len(text) > len(emitted) and not text.endswith("\ufffd"):
                     yield text[len(emitted):]
                     emitted = text
-                if output.is_finished():
-                    finished = True
-                    with self._lock:
-                        self.stats.finished += 1
-                    return
-        finally:
-            with self._lock:
-                self._active.discard(request_id)
-            if not finished:
-                self.cancel(request_id)
-
-    async def _register_handler(self, request_id: str, callback) -> None:
-        """Register `callback` on the engine's own dispatch loop.
-
-        transformers runs a whole step's callbacks on the event loop of whichever request
-        registered last, and raises in its generation thread (stopping generation for everyone)
-        if that loop has closed. Conversations come and go with their loops (LiveKit runs each
-        room on its own thread), so handlers live on one loop that lasts as long as the engine.
-        """
-
-        async def register() -> None:
-            self._manager.register_result_handler(request_id, callback)
-
-        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(register(), self._dispatch_loop))
 
     def cancel(self, request_id: str) -> None:
         """Stop a request inside the batch (idempotent)."""
-        self._manager.cancel_request(request_id)
-        with self._lock:
-            self.stats.cancelled += 1
-            self._active.discard(request_id)
+        self.generator.cancel(request_id)
 
     @property
     def active_requests(self) -> int:
-        return len(self._active)
+        return self.generator.active_requests
 
     async def warmup(self) -> None:
         """The first request compiles kernels and allocates the paged cache: pay that before users do."""
@@ -210,15 +132,7 @@ class TransformersLLMEngine:
             pass
 
     def close(self) -> None:
-        if self._manager.is_running():
-            self._manager.stop(block=True, timeout=5)
-        self._dispatch_loop.call_soon_threadsafe(self._dispatch_loop.stop)
-
-
-def _resolve_dtype(dtype: str, device: str) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return getattr(torch, dtype)
+        self.generator.close()
 
 
 def _hf_cache_of_gguf(gguf_path: Path, cache_dir: Path) -> Path:

@@ -22,6 +22,7 @@ class PiperEngine:
 
     def __init__(self, voice_path: str | Path, *, workers: int = 2, use_cuda: bool = False):
         self.voice_path = Path(voice_path)
+        self.voice = self.voice_path.stem
         PiperEngine.loads += 1
         self._voice = PiperVoice.load(self.voice_path, use_cuda=use_cuda)
         self.sample_rate: int = self._voice.config.sample_rate

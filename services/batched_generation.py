@@ -1,0 +1,162 @@
+"""Token generation for many requests at once: one transformers continuous batch, streamed to any event loop."""
+
+import asyncio
+import math
+import threading
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+PAGE_SIZE = 256  # tokens per KV-cache page
+
+
+@dataclass
+class GenerationStats:
+    """Lifetime request counts; read by tests and metrics."""
+
+    started: int = 0
+    finished: int = 0
+    cancelled: int = 0
+    failed: int = 0
+
+
+class GenerationError(RuntimeError):
+    """The engine failed this one request (others keep running)."""
+
+
+class ContinuousBatchGenerator:
+    """A causal LM whose requests, from every conversation, share one continuous batch.
+
+    `stream()` yields the token ids each step adds. Leaving the loop early (or `cancel(id)`)
+    cancels the request inside the batch, so its slot and KV cache are freed at once. The LLM
+    engine decodes these ids to text; the Orpheus engine reads them as audio codes.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        generation_config: GenerationConfig,
+        *,
+        max_batch_requests: int = 16,
+        kv_cache_tokens: int = 16384,
+        max_batch_tokens: int = 1024,
+        logits_processors: Sequence = (),
+        name: str = "generator",
+    ):
+        self.name = name
+        self.stats = GenerationStats()
+        self._active: set[str] = set()
+        self._lock = threading.Lock()
+        self._manager = model.init_continuous_batching(
+            generation_config=generation_config,
+            continuous_batching_config=ContinuousBatchingConfig(
+                max_requests_per_batch=max_batch_requests,
+                # Left unset, the paged KV cache takes 60-90% of all free memory (on CPU: of
+                # system RAM, ~14 GB here). Size it for what the sessions need instead.
+                num_blocks=math.ceil(kv_cache_tokens / PAGE_SIZE),
+                page_size=PAGE_SIZE,
+                max_batch_tokens=max_batch_tokens,
+                auto_switch_to_flash=False,
+            ),
+        )
+        if logits_processors:
+            # transformers builds CB processors only from the generation config; a processor
+            # that works on the last token alone (CB hands it no history) can run first.
+            processors = self._manager.logit_processor
+            for position, processor in enumerate(logits_processors):
+                processors.logits_processor.insert(position, processor)
+            processors.do_processing = True
+        self._manager.start()
+        self._dispatch_loop = asyncio.new_event_loop()
+        threading.Thread(
+            target=self._dispatch_loop.run_forever, name=f"{name}-dispatch", daemon=True
+        ).start()
+
+    async def stream(
+        self, prompt_ids: list[int], *, request_id: str | None = None, max_new_tokens: int | None = None
+    ) -> AsyncIterator[list[int]]:
+        """Generate after `prompt_ids`, yielding the new token ids of each step."""
+        request_id = request_id or f"{self.name}-{uuid.uuid4().hex[:12]}"
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+
+        def on_output(output):
+            # Runs on the engine's dispatch loop; hop to the loop of the conversation that asked.
+            try:
+                loop.call_soon_threadsafe(outputs.put_nowait, output)
+            except RuntimeError:  # that conversation's loop is closed: nobody is listening
+                self.cancel(request_id)
+
+        # Register before adding: the first token may arrive before add_request returns.
+        await self._register_handler(request_id, on_output)
+        with self._lock:
+            self._active.add(request_id)
+            self.stats.started += 1
+        self._manager.add_request(
+            prompt_ids, request_id=request_id, max_new_tokens=max_new_tokens, streaming=True
+        )
+        finished = False
+        seen = 0
+        try:
+            while True:
+                output = await outputs.get()
+                if output.error:
+                    with self._lock:
+                        self.stats.failed += 1
+                    finished = True
+                    raise GenerationError(f"request {request_id} failed: {output.error}")
+                tokens = output.generated_tokens  # cumulative
+                if len(tokens) > seen:
+                    new, seen = list(tokens[seen:]), len(tokens)
+                    yield new
+                if output.is_finished():
+                    finished = True
+                    with self._lock:
+                        self.stats.finished += 1
+                    return
+        finally:
+            with self._lock:
+                self._active.discard(request_id)
+            if not finished:
+                self.cancel(request_id)
+
+    async def _register_handler(self, request_id: str, callback) -> None:
+        """Register `callback` on the generator's own dispatch loop.
+
+        transformers runs a whole step's callbacks on the event loop of whichever request
+        registered last, and raises in its generation thread (stopping generation for everyone)
+        if that loop has closed. Conversations come and go with their loops (LiveKit runs each
+        room on its own thread), so handlers live on one loop that lasts as long as the engine.
+        """
+
+        async def register() -> None:
+            self._manager.register_result_handler(request_id, callback)
+
+        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(register(), self._dispatch_loop))
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request inside the batch (idempotent)."""
+        self._manager.cancel_request(request_id)
+        with self._lock:
+            self.stats.cancelled += 1
+            self._active.discard(request_id)
+
+    @property
+    def active_requests(self) -> int:
+        return len(self._active)
+
+    def close(self) -> None:
+        if self._manager.is_running():
+            self._manager.stop(block=True, timeout=5)
+        self._dispatch_loop.call_soon_threadsafe(self._dispatch_loop.stop)
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    """'auto' → bfloat16 on CUDA, float32 elsewhere; otherwise a torch dtype name."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return getattr(torch, dtype)
