@@ -49,7 +49,7 @@ class ContinuousBatchGenerator:
     ):
         self.name = name
         self.stats = GenerationStats()
-        self._active: set[str] = set()
+        self._active: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self._manager = model.init_continuous_batching(
             generation_config=generation_config,
@@ -94,7 +94,7 @@ class ContinuousBatchGenerator:
         # Register before adding: the first token may arrive before add_request returns.
         await self._register_handler(request_id, on_output)
         with self._lock:
-            self._active.add(request_id)
+            self._active[request_id] = (loop, outputs)
             self.stats.started += 1
         self._manager.add_request(
             prompt_ids, request_id=request_id, max_new_tokens=max_new_tokens, streaming=True
@@ -104,6 +104,9 @@ class ContinuousBatchGenerator:
         try:
             while True:
                 output = await outputs.get()
+                if output is None:  # cancel(request_id) from elsewhere
+                    finished = True
+                    return
                 if output.error:
                     with self._lock:
                         self.stats.failed += 1
@@ -119,10 +122,10 @@ class ContinuousBatchGenerator:
                         self.stats.finished += 1
                     return
         finally:
-            with self._lock:
-                self._active.discard(request_id)
             if not finished:
                 self.cancel(request_id)
+            with self._lock:
+                self._active.pop(request_id, None)
 
     async def _register_handler(self, request_id: str, callback) -> None:
         """Register `callback` on the generator's own dispatch loop.
@@ -139,11 +142,18 @@ class ContinuousBatchGenerator:
         await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(register(), self._dispatch_loop))
 
     def cancel(self, request_id: str) -> None:
-        """Stop a request inside the batch (idempotent)."""
+        """Stop a request inside the batch and end its stream (idempotent)."""
         self._manager.cancel_request(request_id)
         with self._lock:
-            self.stats.cancelled += 1
-            self._active.discard(request_id)
+            waiting = self._active.pop(request_id, None)
+            if waiting is not None:
+                self.stats.cancelled += 1
+        if waiting is not None:
+            loop, outputs = waiting
+            try:  # transformers sends nothing more for a cancelled request: end the stream here
+                loop.call_soon_threadsafe(outputs.put_nowait, None)
+            except RuntimeError:  # that loop has closed; nobody is reading
+                pass
 
     @property
     def active_requests(self) -> int:

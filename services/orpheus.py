@@ -268,6 +268,8 @@ class OrpheusEngine:
         self.max_hop_frames = max_hop_frames
         self.lang = lang
         self.stats = OrpheusStats()
+        self._generating: dict[str, str] = {}  # stream id → id of its chunk in the generator
+        self._cancelled: set[str] = set()
         # transformers' continuous batching has no repetition penalty (the reference uses 1.1-1.3);
         # the code mask and the length-derived token budget are what keep generation on track.
         self.generator = ContinuousBatchGenerator(
@@ -316,19 +318,31 @@ class OrpheusEngine:
         )
         return cls(model, tokenizer, snac, **engine_kwargs)
 
-    async def stream(self, text: str, *, voice: str | None = None) -> AsyncIterator[bytes]:
+    async def stream(
+        self, text: str, *, voice: str | None = None, request_id: str | None = None
+    ) -> AsyncIterator[bytes]:
         """Speak `text` (normalized, chunked at sentences) as PCM16 chunks at 24 kHz."""
-        for chunk in split_for_speech(normalize_text(text, self.lang), self.max_chunk_chars):
-            async with aclosing(self._stream_chunk(chunk, voice or self.voice)) as audio:
-                async for pcm in audio:
-                    yield pcm
+        request_id = request_id or f"orpheus-{uuid.uuid4().hex[:12]}"
+        try:
+            chunks = split_for_speech(normalize_text(text, self.lang), self.max_chunk_chars)
+            for index, chunk in enumerate(chunks):
+                if request_id in self._cancelled:
+                    return
+                self._generating[request_id] = f"{request_id}-{index}"
+                audio = self._stream_chunk(chunk, voice or self.voice, request_id)
+                async with aclosing(audio):
+                    async for pcm in audio:
+                        yield pcm
+        finally:
+            self._generating.pop(request_id, None)
+            self._cancelled.discard(request_id)
 
-    async def _stream_chunk(self, text: str, voice: str) -> AsyncIterator[bytes]:
+    async def _stream_chunk(self, text: str, voice: str, request_id: str) -> AsyncIterator[bytes]:
         parser = OrpheusTokenParser()
         planner = SnacWindowPlanner(context=self.context_frames, max_hop=self.max_hop_frames)
         tokens = self.generator.stream(
             prompt_ids(self.tokenizer, voice, text),
-            request_id=f"orpheus-{uuid.uuid4().hex[:12]}",
+            request_id=self._generating[request_id],
             max_new_tokens=max_new_tokens_for(text),
         )
         try:
@@ -338,12 +352,19 @@ class OrpheusEngine:
                         planner.push(frame)
                     while (window := planner.next_window()) is not None:
                         yield float_to_pcm16(await self.snac.decode(window))
-            while (window := planner.next_window(final=True)) is not None:
+            while request_id not in self._cancelled and (window := planner.next_window(final=True)):
                 yield float_to_pcm16(await self.snac.decode(window))
         finally:
             self.stats.utterances += 1
             self.stats.frames += planner.emitted
             self.stats.add(parser)
+
+    def cancel(self, request_id: str) -> None:
+        """Stop the stream `request_id`: its generation leaves the batch, no further audio comes."""
+        generating = self._generating.get(request_id)
+        if generating is not None:
+            self._cancelled.add(request_id)
+            self.generator.cancel(generating)
 
     async def synthesize(self, text: str, *, voice: str | None = None) -> bytes:
         """All of `text` as one PCM16 buffer."""

@@ -228,28 +228,34 @@ async def test_engine_streams_exact_frames_from_generated_tokens(orpheus):
     assert orpheus.active_requests == 0
 
 
-async def test_cancelling_one_stream_stops_its_generation_and_leaves_others_whole(orpheus):
+async def test_cancelling_streams_stops_their_generation_and_leaves_others_whole(orpheus):
+    """One stream's task is cancelled (what Pipecat does on barge-in), one is cancelled by id."""
     cancelled_before = orpheus.generator.stats.cancelled
-    first_audio = asyncio.Event()
+    started = {"task": asyncio.Event(), "by id": asyncio.Event()}
+    chunks_after_cancel = []
 
-    async def cut_off():
-        async for _ in orpheus.stream("This one is cut off after its first audio chunk arrives."):
-            first_audio.set()
+    async def cut_off(how: str):
+        cancelled_at = None
+        async for _ in orpheus.stream("This one is cut off after its first audio arrives.", request_id=how):
+            started[how].set()
+            if cancelled_at is None and how == "by id":
+                orpheus.cancel(how)
+                cancelled_at = len(chunks_after_cancel)
+            elif cancelled_at is not None:
+                chunks_after_cancel.append(how)
 
-    async def whole():
-        before = orpheus.stats.frames
-        pcm = await orpheus.synthesize("This one plays to the end.")
-        return pcm, before
-
-    victim = asyncio.create_task(cut_off())
-    survivor = asyncio.create_task(whole())
-    await asyncio.wait_for(first_audio.wait(), timeout=60)
-    victim.cancel()
+    victims = [asyncio.create_task(cut_off(how)) for how in started]
+    survivor = asyncio.create_task(orpheus.synthesize("This one plays to the end."))
+    await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started.values())), timeout=60)
+    victims[0].cancel()
     with pytest.raises(asyncio.CancelledError):
-        await victim
-    assert orpheus.generator.stats.cancelled == cancelled_before + 1
+        await victims[0]
+    await asyncio.wait_for(victims[1], timeout=10)  # ended by itself, at once
+    # At most the window already being decoded comes out after cancel(); no generation continues.
+    assert len(chunks_after_cancel) <= 1
+    assert orpheus.generator.stats.cancelled == cancelled_before + 2
     assert orpheus.active_requests == 1  # only the survivor is still generating
-    pcm, _ = await asyncio.wait_for(survivor, timeout=120)
+    pcm = await asyncio.wait_for(survivor, timeout=120)
     assert len(pcm) % (SAMPLES_PER_FRAME * 2) == 0 and len(pcm) > 0
     assert orpheus.active_requests == 0 and orpheus.stats.misplaced_tokens == 0
 
