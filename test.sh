@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")"
 scripts/install.sh piper,dev
 scripts/install-livekit.sh
+scripts/install-browser.sh
 exec .venv/bin/python -m pytest "$@"

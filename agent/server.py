@@ -5,9 +5,11 @@ import hmac
 import secrets
 from contextlib import asynccontextmanager
 from datetime import timedelta
+from pathlib import Path
 
 from fastapi import FastAPI, Header, HTTPException
-from fastapi.responses import JSONResponse, RedirectResponse
+from fastapi.responses import FileResponse, JSONResponse, RedirectResponse
+from fastapi.staticfiles import StaticFiles
 from loguru import logger
 from pipecat.transports.base_transport import TransportParams
 from pipecat.transports.smallwebrtc.connection import SmallWebRTCConnection
@@ -25,6 +27,7 @@ from agent.pipeline import build_conversation, run_conversation
 from agent.sessions import SessionRegistry
 
 RETRY_AFTER_SECS = 5
+WEB_DIR = Path(__file__).resolve().parent.parent / "web"  # the browser demo; its dist/ is committed
 SHUTDOWN_GRACE_SECS = 5
 
 
@@ -118,6 +121,12 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
         check_api_key(settings, authorization)
         if not settings.livekit_enabled:
             raise HTTPException(404, "LiveKit is not configured; use /api/offer (peer-to-peer WebRTC)")
+        if sessions.full:
+            raise HTTPException(
+                503,
+                f"all {settings.max_sessions} conversations of this agent are in use",
+                headers={"Retry-After": str(RETRY_AFTER_SECS)},
+            )
         room = f"voice-{secrets.token_hex(8)}"
         return {
             "url": settings.livekit_public_url or settings.livekit_url,
@@ -184,9 +193,13 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
         task.add_done_callback(lambda _: sessions.release(connection.pc_id))
 
     app.mount("/client", PipecatPrebuiltUI)
+    app.mount("/static", StaticFiles(directory=WEB_DIR / "dist"), name="static")
 
     @app.get("/", include_in_schema=False)
     async def root():
+        # The LiveKit demo page needs rooms; peer-to-peer, Pipecat's prebuilt client talks SmallWebRTC.
+        if settings.livekit_enabled:
+            return FileResponse(WEB_DIR / "index.html", headers={"Cache-Control": "no-cache"})
         return RedirectResponse(url="/client/")
 
     return app
