@@ -7,6 +7,7 @@ from pipecat.transports.livekit.transport import LiveKitParams, LiveKitTransport
 
 from agent.config import Settings
 from agent.engines import Engines
+from agent.metrics import AgentMetrics
 from agent.pipeline import build_conversation, run_conversation
 from agent.sessions import SessionRegistry
 
@@ -23,7 +24,9 @@ def agent_token(settings: Settings, room: str, identity: str) -> str:
     )
 
 
-def create_agent_server(settings: Settings, engines: Engines, sessions: SessionRegistry) -> AgentServer:
+def create_agent_server(
+    settings: Settings, engines: Engines, sessions: SessionRegistry, metrics: AgentMetrics | None = None
+) -> AgentServer:
     """An AgentServer whose jobs all run in this process (THREAD executor) and share `engines`."""
     server = AgentServer(
         ws_url=settings.livekit_url,
@@ -43,6 +46,8 @@ def create_agent_server(settings: Settings, engines: Engines, sessions: SessionR
     async def on_request(request: JobRequest) -> None:
         if sessions.full:
             logger.warning(f"refusing room {request.room.name}: {sessions.active}/{sessions.capacity} sessions")
+            if metrics is not None:
+                metrics.sessions_refused.labels(transport="livekit").inc()
             await request.reject()
             return
         await request.accept(identity=f"{settings.agent_name}-{request.job.id}")
@@ -55,7 +60,7 @@ def create_agent_server(settings: Settings, engines: Engines, sessions: SessionR
             ctx.shutdown("over capacity")
             return
         try:
-            await run_room(ctx, room, settings, engines, sessions)
+            await run_room(ctx, room, settings, engines, sessions, metrics)
         finally:
             sessions.release(room)
             ctx.shutdown("conversation ended")
@@ -64,7 +69,12 @@ def create_agent_server(settings: Settings, engines: Engines, sessions: SessionR
 
 
 async def run_room(
-    ctx: JobContext, room: str, settings: Settings, engines: Engines, sessions: SessionRegistry
+    ctx: JobContext,
+    room: str,
+    settings: Settings,
+    engines: Engines,
+    sessions: SessionRegistry,
+    metrics: AgentMetrics | None = None,
 ) -> None:
     """One conversation in one room; returns when the user leaves or the job is shut down."""
     identity = f"{settings.agent_name}-{ctx.job.id}"
@@ -74,7 +84,7 @@ async def run_room(
         room,
         params=LiveKitParams(audio_in_enabled=True, audio_out_enabled=True),
     )
-    conversation = build_conversation(transport, engines, settings)
+    conversation = build_conversation(transport, engines, settings, metrics=metrics)
     sessions.attach(room, conversation)
 
     async def end(reason: str) -> None:

@@ -7,6 +7,7 @@ from pipecat.frames.frames import InputAudioRawFrame
 from agent.config import Settings
 from agent.engines import Engines
 from agent.memory_transport import MemoryTransport, PlayedChunk
+from agent.metrics import AgentMetrics
 from agent.pipeline import Conversation, build_conversation, run_conversation
 
 
@@ -16,9 +17,9 @@ class LocalSession:
     The user's audio goes in at real-time pace; what the bot played is in `s.played`.
     """
 
-    def __init__(self, engines: Engines, settings: Settings):
+    def __init__(self, engines: Engines, settings: Settings, *, metrics: AgentMetrics | None = None):
         self.transport = MemoryTransport()
-        self.conversation: Conversation = build_conversation(self.transport, engines, settings)
+        self.conversation: Conversation = build_conversation(self.transport, engines, settings, metrics=metrics)
         self._task: asyncio.Task | None = None
 
     async def __aenter__(self) -> "LocalSession":

@@ -1,6 +1,7 @@
 """Assembles one conversation: a transport plus the shared engines → a Pipecat pipeline worker."""
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from loguru import logger
 from pipecat.audio.vad.silero import SileroVADAnalyzer
@@ -21,6 +22,9 @@ from pipecat.workers.runner import WorkerRunner
 from agent.config import Settings
 from agent.engines import Engines
 from agent.turn_metrics import TurnMetricsObserver
+
+if TYPE_CHECKING:
+    from agent.metrics import AgentMetrics
 from frames.audio_guard import InputAudioGuard
 from frames.llm import TransformersLLMService
 from frames.stt import WhisperSTTService
@@ -50,6 +54,7 @@ def build_conversation(
     engines: Engines,
     settings: Settings,
     *,
+    metrics: "AgentMetrics | None" = None,
     observers: list[BaseObserver] | None = None,
 ) -> Conversation:
     context = LLMContext()
@@ -67,12 +72,15 @@ def build_conversation(
             # (local ONNX) judges the turn complete.
         ),
     )
-    guard = InputAudioGuard()
+    guard = InputAudioGuard(on_drop=(lambda kind: metrics.count_error("audio_input")) if metrics else None)
     stt = WhisperSTTService(engines.stt)
     llm = TransformersLLMService(
         engines.llm, system_prompt=settings.system_prompt, max_tokens=settings.llm_max_new_tokens
     )
-    tts = LocalTTSService(engines.tts)
+    tts = LocalTTSService(
+        engines.tts,
+        on_sentence=(lambda audio, wall: metrics.tts_realtime_factor.observe(wall / audio)) if metrics else None,
+    )
     pipeline = Pipeline(
         [
             transport.input(),
@@ -85,7 +93,9 @@ def build_conversation(
             assistant_aggregator,
         ]
     )
-    turns = TurnMetricsObserver()
+    turns = TurnMetricsObserver(metrics)
+    if metrics is not None:
+        metrics.sessions_started.inc()
     worker = PipelineWorker(
         pipeline,
         params=PipelineParams(

@@ -8,7 +8,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from fastapi import FastAPI, Header, HTTPException
-from fastapi.responses import FileResponse, JSONResponse, RedirectResponse
+from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from loguru import logger
 from pipecat.transports.base_transport import TransportParams
@@ -23,6 +23,7 @@ from pipecat_ai_prebuilt.frontend import PipecatPrebuiltUI
 
 from agent.config import Settings
 from agent.engines import Engines, load_engines_warm
+from agent.metrics import CONTENT_TYPE_LATEST, AgentMetrics
 from agent.pipeline import build_conversation, run_conversation
 from agent.sessions import SessionRegistry
 
@@ -37,6 +38,7 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
     # Every conversation of this process, peer-to-peer or LiveKit: they share the engines, so
     # they share the capacity too.
     sessions = SessionRegistry(settings.max_sessions)
+    metrics = AgentMetrics(sessions, engines_of=lambda: app.state.engines)
     peer_tasks: set[asyncio.Task] = set()  # peer-to-peer conversations, awaited at shutdown
 
     @asynccontextmanager
@@ -78,7 +80,7 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
             return
         from agent.livekit_worker import create_agent_server
 
-        app.state.agent_server = create_agent_server(settings, app.state.engines, sessions)
+        app.state.agent_server = create_agent_server(settings, app.state.engines, sessions, metrics)
         app.state.livekit_worker = asyncio.create_task(run_livekit_worker(app.state.agent_server))
 
     app = FastAPI(title="voice-agent", lifespan=lifespan)
@@ -87,6 +89,7 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
     app.state.livekit_worker = None
     app.state.agent_server = None  # livekit-agents AgentServer, when LiveKit is configured
     app.state.sessions = sessions  # live conversations by room name (LiveKit) or pc_id
+    app.state.metrics = metrics
 
     def ready_engines() -> Engines:
         engines = app.state.engines
@@ -122,6 +125,7 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
         if not settings.livekit_enabled:
             raise HTTPException(404, "LiveKit is not configured; use /api/offer (peer-to-peer WebRTC)")
         if sessions.full:
+            metrics.sessions_refused.labels(transport="livekit").inc()
             raise HTTPException(
                 503,
                 f"all {settings.max_sessions} conversations of this agent are in use",
@@ -145,6 +149,7 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
     async def offer(request: SmallWebRTCRequest):
         engines = ready_engines()
         if sessions.full:
+            metrics.sessions_refused.labels(transport="webrtc").inc()
             raise HTTPException(
                 503,
                 f"all {sessions.capacity} sessions are in use",
@@ -179,7 +184,7 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
             webrtc_connection=connection,
             params=TransportParams(audio_in_enabled=True, audio_out_enabled=True),
         )
-        conversation = build_conversation(transport, engines, settings)
+        conversation = build_conversation(transport, engines, settings, metrics=metrics)
         sessions.attach(connection.pc_id, conversation)
 
         @transport.event_handler("on_client_disconnected")
@@ -194,6 +199,10 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
 
     app.mount("/client", PipecatPrebuiltUI)
     app.mount("/static", StaticFiles(directory=WEB_DIR / "dist"), name="static")
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics():
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/", include_in_schema=False)
     async def root():

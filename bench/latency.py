@@ -90,6 +90,23 @@ def machine_info(load_average_1m, **extra):
     }
 
 
+def process_memory_mb() -> dict[str, float]:
+    """This process' resident memory, MB: rss = anon (heap, tensors) + file (mapped files) + shmem.
+
+    `pss` counts a page mapped k times as 1/k each time: a file mapped twice (a safetensors
+    checkpoint loaded twice) is in `rss` twice but in `pss` about once. `peak` is the highest RSS
+    since the start, or since "5" was written to /proc/self/clear_refs.
+    """
+    fields = {"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file", "VmHWM": "peak", "Pss": "pss"}
+    memory = {}
+    for status in ("/proc/self/status", "/proc/self/smaps_rollup"):
+        for line in Path(status).read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name in fields:
+                memory[fields[name]] = int(value.split()[0]) / 1024  # kB
+    return memory
+
+
 def command_line(module):
     return " ".join([Path(sys.executable).name, "-m", module, *sys.argv[1:]])
 
@@ -146,6 +163,7 @@ async def run_session(index, engines, settings, questions, audio):
             print(f", heard {spoken[-1]['heard']!r}{watchdog}", flush=True)
         await session.silence(0.5)
         latencies = list(session.conversation.turns.turns)
+        underruns = session.conversation.turns.underruns
         messages = [
             {"role": m.get("role"), "content": m.get("content")}
             for m in session.conversation.context.get_messages()
@@ -165,7 +183,7 @@ async def run_session(index, engines, settings, questions, audio):
                 **{m: getattr(t, m) for m in METRICS},
             }
         )
-    return {"session": index, "spoken": spoken, "turns": turns, "messages": messages}
+    return {"session": index, "spoken": spoken, "turns": turns, "underruns": underruns, "messages": messages}
 
 
 async def main(args):

@@ -9,6 +9,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import asynccontextmanager
 from importlib.metadata import version
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from agent.config import Settings
 from agent.engines import load_engines_warm
 from agent.livekit_caller import FRAME_SAMPLES, SAMPLE_RATE, LiveKitCaller
 from agent.livekit_server import DEV_API_KEY, DEV_API_SECRET, LiveKitServerProcess, free_port
+from agent.pipeline import Conversation
 from agent.server import create_app
 from bench.latency import (
     ANSWER_CAP_SECS,
@@ -92,7 +94,7 @@ async def wait_for(condition, what: str, timeout: float = STARTUP_SECS, step: fl
     return value
 
 
-async def converse(caller: LiveKitCaller, conversation, questions, audio) -> list[dict]:
+async def converse(caller: LiveKitCaller, conversation, questions, audio, label: str = "") -> list[dict]:
     """Speak every question, each time keeping the microphone open (silence) until the reply has played out."""
     ear = Ear(caller)
     clock = getattr(conversation.worker, "_clock", None)  # the pipeline clock: monotonic_ns() - _time
@@ -151,7 +153,7 @@ async def converse(caller: LiveKitCaller, conversation, questions, audio) -> lis
         spoken.append(row)
         v2v = f"{row['participant_v2v']:.2f}s v2v" if first is not None else "NO REPLY"
         watchdog = " (turn ended by the 5 s stop watchdog)" if row["turn_stop_timeouts"] else ""
-        print(f"  turn {turn + 1}/{len(questions)}: {v2v} to {question!r}, heard {row['heard']!r}{watchdog}", flush=True)
+        print(f"  {label}turn {turn + 1}/{len(questions)}: {v2v} to {question!r}, heard {row['heard']!r}{watchdog}", flush=True)
     return spoken
 
 
@@ -170,17 +172,9 @@ async def main(args):
         print(f"{args.turns} turns, {sum(len(a) for a in audio) / 2 / SAMPLE_RATE:.1f}s of user speech", flush=True)
         with LiveKitServerProcess(log_path=log_dir / "livekit.log") as lk:
             print(f"livekit-server at {lk.url} (log {lk.log_path})", flush=True)
-            agent_settings = settings.model_copy(
-                update={
-                    "livekit_url": lk.url,
-                    "livekit_api_key": DEV_API_KEY,
-                    "livekit_api_secret": SecretStr(DEV_API_SECRET),
-                    "port": free_port(),
-                }
-            )
+            agent_settings = livekit_agent_settings(settings, lk)
             result = await run_with_agent(args, agent_settings, engines, questions, audio)
-            binary = subprocess.run([lk.binary, "--version"], capture_output=True, text=True)
-            result["livekit_server"] = binary.stdout.strip() or None
+            result["livekit_versions"] = livekit_versions(lk)
         print("livekit-server stopped", flush=True)
     finally:
         engines.close()
@@ -208,12 +202,7 @@ async def main(args):
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": command_line("bench.livekit_latency"),
-        "machine": machine_info(
-            load,
-            livekit_rtc=version("livekit"),
-            livekit_agents=version("livekit-agents"),
-            livekit_server=result.pop("livekit_server"),
-        ),
+        "machine": machine_info(load, **result.pop("livekit_versions")),
         "models": {"stt": settings.stt_model, "llm": settings.llm_model, "tts": settings.tts_voice},
         "settings": agent_settings.model_dump(mode="json"),  # secrets dump as "**********"
         "run": {
@@ -243,12 +232,35 @@ async def main(args):
     print(f"\nwrote {out}", flush=True)
 
 
-async def run_with_agent(args, settings, engines, questions, audio) -> dict:
-    """Serve the agent (HTTP + LiveKit worker) in this process, join its room, converse, and shut it all down."""
+def livekit_agent_settings(settings: Settings, lk: LiveKitServerProcess, **update) -> Settings:
+    """`settings` pointed at the local livekit-server (dev keys), with the HTTP server on a free port."""
+    return settings.model_copy(
+        update={
+            "livekit_url": lk.url,
+            "livekit_api_key": DEV_API_KEY,
+            "livekit_api_secret": SecretStr(DEV_API_SECRET),
+            "port": free_port(),
+            **update,
+        }
+    )
+
+
+def livekit_versions(lk: LiveKitServerProcess) -> dict:
+    """The LiveKit pieces a result was measured with (extra fields for machine_info)."""
+    binary = subprocess.run([lk.binary, "--version"], capture_output=True, text=True)
+    return {
+        "livekit_rtc": version("livekit"),
+        "livekit_agents": version("livekit-agents"),
+        "livekit_server": binary.stdout.strip() or None,
+    }
+
+
+@asynccontextmanager
+async def serving_agent(settings: Settings, engines):
+    """The agent (HTTP + LiveKit worker) served in this process for the block; yields its FastAPI app."""
     app = create_app(settings, engines)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_level="warning"))
     serving = asyncio.create_task(server.serve())
-    caller = None
     try:
         await wait_for(lambda: server.started or serving.done(), "the HTTP server")
         if serving.done():
@@ -258,12 +270,25 @@ async def run_with_agent(args, settings, engines, questions, audio) -> dict:
             "the LiveKit worker to register",
         )
         print(f"agent worker {app.state.agent_server.id} registered; HTTP on port {settings.port}", flush=True)
-        headers = {"Authorization": f"Bearer {settings.api_key.get_secret_value()}"} if settings.api_key else {}
-        async with httpx.AsyncClient() as http:
-            response = await http.post(f"http://127.0.0.1:{settings.port}/api/session", headers=headers)
-        response.raise_for_status()
-        session = response.json()
-        caller = LiveKitCaller(session["url"], session["token"])
+        yield app
+    finally:
+        server.should_exit = True
+        try:
+            await asyncio.wait_for(serving, SHUTDOWN_SECS)
+            print("agent HTTP server and worker stopped", flush=True)
+        except asyncio.TimeoutError:
+            print(f"warning: uvicorn did not exit within {SHUTDOWN_SECS:.0f}s", flush=True)
+
+
+async def call_agent(app, settings: Settings) -> tuple[LiveKitCaller, Conversation]:
+    """A fresh room from POST /api/session, joined once the agent is in it and any greeting has played out."""
+    headers = {"Authorization": f"Bearer {settings.api_key.get_secret_value()}"} if settings.api_key else {}
+    async with httpx.AsyncClient() as http:
+        response = await http.post(f"http://127.0.0.1:{settings.port}/api/session", headers=headers)
+    response.raise_for_status()
+    session = response.json()
+    caller = LiveKitCaller(session["url"], session["token"])
+    try:
         joined = time.monotonic()
         await caller.join()
         await caller.wait_for_agent(STARTUP_SECS)
@@ -274,32 +299,40 @@ async def run_with_agent(args, settings, engines, questions, audio) -> dict:
         if ear.last_voice() is not None:  # a greeting: let it finish
             while time.monotonic() - ear.last_voice() < QUIET_SECS:
                 await caller.silence(POLL_SECS)
+    except BaseException:
+        await caller.leave()
+        raise
+    return caller, conversation
 
-        started, cpu_started = time.perf_counter(), os.times()
-        spoken = await converse(caller, conversation, questions, audio)
-        run_seconds = time.perf_counter() - started
-        cpu = os.times()
-        await caller.silence(0.5)
-        messages = [
-            {"role": m.get("role"), "content": m.get("content")}
-            for m in conversation.context.get_messages()
-            if isinstance(m, dict)
-        ]
-        agent_turns = [vars(t).copy() for t in conversation.turns.turns]
-    finally:
-        if caller is not None:
-            await caller.leave()
-            print("caller left", flush=True)
-            try:  # the agent ends the conversation when the last user leaves
-                await wait_for(lambda: app.state.sessions.active == 0, "the agent to end the room", SHUTDOWN_SECS, 0.1)
-            except TimeoutError as e:
-                print(f"warning: {e}", flush=True)
-        server.should_exit = True
+
+async def hang_up(app, callers: list[LiveKitCaller]) -> None:
+    """Leave every room and wait until the agent has ended those conversations (it does when the last user leaves)."""
+    await asyncio.gather(*(caller.leave() for caller in callers))
+    print(f"{len(callers)} caller(s) left", flush=True)
+    try:
+        await wait_for(lambda: app.state.sessions.active == 0, "the agent to end the rooms", SHUTDOWN_SECS, 0.1)
+    except TimeoutError as e:
+        print(f"warning: {e}", flush=True)
+
+
+async def run_with_agent(args, settings, engines, questions, audio) -> dict:
+    """Serve the agent (HTTP + LiveKit worker) in this process, join its room, converse, and shut it all down."""
+    async with serving_agent(settings, engines) as app:
+        caller, conversation = await call_agent(app, settings)
         try:
-            await asyncio.wait_for(serving, SHUTDOWN_SECS)
-            print("agent HTTP server and worker stopped", flush=True)
-        except asyncio.TimeoutError:
-            print(f"warning: uvicorn did not exit within {SHUTDOWN_SECS:.0f}s", flush=True)
+            started, cpu_started = time.perf_counter(), os.times()
+            spoken = await converse(caller, conversation, questions, audio)
+            run_seconds = time.perf_counter() - started
+            cpu = os.times()
+            await caller.silence(0.5)
+            messages = [
+                {"role": m.get("role"), "content": m.get("content")}
+                for m in conversation.context.get_messages()
+                if isinstance(m, dict)
+            ]
+            agent_turns = [vars(t).copy() for t in conversation.turns.turns]
+        finally:
+            await hang_up(app, [caller])
 
     return {
         "run": {
@@ -313,12 +346,16 @@ async def run_with_agent(args, settings, engines, questions, audio) -> dict:
     }
 
 
+def exit_despite_lingering_threads() -> None:
+    """End the process even if threads are left (e.g. LiveKit's job threads, which would keep it alive)."""
+    lingering = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    if lingering:
+        print(f"exiting with os._exit: threads still alive: {', '.join(t.name for t in lingering)}", flush=True)
+        os._exit(0)
+
+
 if __name__ == "__main__":
     logger.remove()
     logger.add(sys.stderr, level="WARNING")  # pipecat logs every frame at DEBUG
     asyncio.run(main(parser.parse_args()))
-    lingering = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
-    if lingering:
-        # e.g. LiveKit's job threads: they would keep the interpreter from exiting.
-        print(f"exiting with os._exit: threads still alive: {', '.join(t.name for t in lingering)}", flush=True)
-        os._exit(0)
+    exit_despite_lingering_threads()

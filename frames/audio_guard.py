@@ -21,12 +21,13 @@ class InputAudioGuard(FrameProcessor):
     problem. Counters are kept for tests and metrics.
     """
 
-    def __init__(self, **kwargs):
+    def __init__(self, *, on_drop=None, **kwargs):
         super().__init__(**kwargs)
         self._rate = 16000
         self._resamplers: dict[int, soxr.ResampleStream] = {}
         self._last_logged: dict[str, float] = {}
         self.dropped: dict[str, int] = {}
+        self._on_drop = on_drop  # e.g. a metrics counter: on_drop(kind)
         self.resampled_frames = 0
 
     async def setup(self, setup: FrameProcessorSetup):
@@ -74,6 +75,8 @@ class InputAudioGuard(FrameProcessor):
 
     def _drop(self, kind: str, message: str) -> None:
         self.dropped[kind] = self.dropped.get(kind, 0) + 1
+        if self._on_drop is not None:
+            self._on_drop(kind)
         self._log(kind, f"dropped invalid input: {message} ({self.dropped[kind]} so far)", error=kind != "empty")
 
     def _log(self, kind: str, message: str, error: bool = False) -> None:

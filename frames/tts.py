@@ -1,5 +1,6 @@
 """Pipecat TTS service over a shared TTS engine (Piper or Orpheus), with word timing so interruptions cut the context exactly."""
 
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from typing import Protocol
@@ -44,7 +45,7 @@ class LocalTTSService(TTSService):
     SNAC windows), so a cut-off reply stops costing compute at once.
     """
 
-    def __init__(self, engine: SpeechEngine, **kwargs):
+    def __init__(self, engine: SpeechEngine, *, on_sentence=None, **kwargs):
         super().__init__(
             push_text_frames=False,  # text follows the audio word by word (word timestamps)
             push_start_frame=True,
@@ -53,6 +54,7 @@ class LocalTTSService(TTSService):
             **kwargs,
         )
         self._engine = engine
+        self._on_sentence = on_sentence  # on_sentence(audio_seconds, wall_seconds), e.g. for metrics
         # Seconds of audio already produced in each audio context: word timestamps count
         # from the start of the context (one reply), not from the start of each sentence.
         self._context_seconds: dict[str, float] = {}
@@ -64,6 +66,7 @@ class LocalTTSService(TTSService):
         await self.start_tts_usage_metrics(text)
         start = self._context_seconds.get(context_id, 0.0)
         seconds = 0.0
+        began = time.perf_counter()
         try:
             # aclosing: when Pipecat stops this generator, the engine's stream closes at once
             # (cancelling its batched request) instead of whenever it is garbage collected.
@@ -81,6 +84,8 @@ class LocalTTSService(TTSService):
             yield ErrorFrame(error=f"TTS failed: {e}")
             return
         self._context_seconds[context_id] = start + seconds
+        if self._on_sentence is not None and seconds > 0:
+            self._on_sentence(seconds, time.perf_counter() - began)
         await self.add_word_timestamps(estimate_word_times(text, start, seconds), context_id)
 
     async def on_audio_context_completed(self, context_id: str):

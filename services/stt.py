@@ -65,12 +65,17 @@ class WhisperEngine:
         )
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="whisper")
         self.transcriptions = 0  # lifetime count, read by tests and metrics
+        self.in_flight = 0  # submitted and not finished: queued on the pool or running
 
     async def transcribe(self, pcm: bytes, sample_rate: int) -> Transcript:
         """Transcribe mono PCM16 audio; resamples to 16 kHz when needed."""
         audio = pcm16_to_float(pcm, sample_rate, WHISPER_SAMPLE_RATE)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self._transcribe_sync, audio)
+        self.in_flight += 1
+        try:
+            return await loop.run_in_executor(self._pool, self._transcribe_sync, audio)
+        finally:
+            self.in_flight -= 1
 
     def _transcribe_sync(self, audio) -> Transcript:
         started = time.perf_counter()

@@ -30,6 +30,7 @@ class PiperEngine:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="piper")
         self._config = SynthesisConfig()
         self.syntheses = 0  # lifetime count of sentences synthesized
+        self.in_flight = 0  # streams being synthesized
 
     def _phonemize(self, text: str) -> list[list[str]]:
         with self._phonemize_lock:
@@ -44,10 +45,14 @@ class PiperEngine:
     async def stream(self, text: str) -> AsyncIterator[bytes]:
         """Yield mono PCM16 at `self.sample_rate`, one chunk per sentence of `text`."""
         loop = asyncio.get_running_loop()
-        sentences = await loop.run_in_executor(self._pool, self._phonemize, text)
-        for phonemes in sentences:
-            if phonemes:
-                yield await loop.run_in_executor(self._pool, self._sentence_audio, phonemes)
+        self.in_flight += 1
+        try:
+            sentences = await loop.run_in_executor(self._pool, self._phonemize, text)
+            for phonemes in sentences:
+                if phonemes:
+                    yield await loop.run_in_executor(self._pool, self._sentence_audio, phonemes)
+        finally:
+            self.in_flight -= 1
 
     async def synthesize(self, text: str) -> bytes:
         """All of `text` as one PCM16 buffer."""

@@ -2,6 +2,7 @@
 
 import asyncio
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -78,9 +79,13 @@ def server():
     # Module scope: the server holds its own copy of every model, so it goes as soon as
     # these tests are done rather than at the end of the whole session.
     port = free_port()
+    # livekit-agents exports LIVEKIT_URL/API_KEY/API_SECRET into os.environ when a worker starts
+    # (the LiveKit tests run one in this process); this server must be the peer-to-peer one.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LIVEKIT_")}
     process = subprocess.Popen(
         [sys.executable, "-m", "agent", "serve", "--port", str(port)],
         cwd=REPO,
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -1,0 +1,168 @@
+"""Many conversations in one process: eight at once, memory per conversation, no leaks, metrics."""
+
+import asyncio
+import gc
+import threading
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from agent.local_session import LocalSession
+from agent.metrics import AgentMetrics
+from agent.sessions import SessionRegistry
+from tests.livekit_fixtures import API_KEY, live_agent, livekit_url  # noqa: F401 (fixtures)
+from tests.speech import wer
+from tests.test_conversation import BOT_RATE, user_messages, user_turn
+from tests.test_livekit import join_room, wait_for_answer
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "How many legs does a spider have?",
+    "Who wrote Romeo and Juliet?",
+    "What is the tallest mountain in the world?",
+    "How many days are in a leap year?",
+    "Which ocean is the biggest?",
+    "What is the boiling point of water?",
+    "What is the largest planet in our solar system?",
+]
+
+
+def rss_mb() -> float:
+    """This process' resident memory, in MB."""
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+async def answer_once(session: LocalSession, engines, say, question: str) -> None:
+    await session.silence(0.3)
+    _, bot_audio = await user_turn(session, say, question)
+    heard = user_messages(session)
+    assert heard and wer(question, heard[-1]) <= 0.25, (question, heard)
+    spoken = await engines.stt.transcribe(bot_audio, BOT_RATE)
+    assert wer(session.conversation.llm.replies[-1], spoken.text) <= 0.35, (
+        session.conversation.llm.replies[-1],
+        spoken.text,
+    )
+
+
+async def test_eight_conversations_at_once_each_answered_with_little_memory_each(engines, settings, say):
+    for question in QUESTIONS:  # synthesize the users' words before measuring
+        await say(question)
+    gc.collect()
+    async with LocalSession(engines, settings) as first:
+        await answer_once(first, engines, say, QUESTIONS[0])
+        gc.collect()
+        one = rss_mb()
+        sessions = [LocalSession(engines, settings) for _ in QUESTIONS[1:]]
+        for session in sessions:
+            await session.__aenter__()
+        try:
+            await asyncio.gather(
+                *(answer_once(s, engines, say, q) for s, q in zip(sessions, QUESTIONS[1:], strict=True))
+            )
+            gc.collect()
+            eight = rss_mb()
+        finally:
+            for session in sessions:
+                await session.stop()
+    per_session = (eight - one) / 7
+    print(f"resident memory: 1 conversation {one:.0f} MB, 8 conversations {eight:.0f} MB, {per_session:.1f} MB each")
+    assert per_session <= 50, f"{per_session:.1f} MB per extra conversation"
+
+
+async def test_fifty_conversations_opened_and_closed_leave_nothing_behind(engines, settings):
+    async def open_and_close():
+        async with LocalSession(engines, settings) as session:
+            await session.silence(0.1)
+
+    for _ in range(5):  # first sessions warm caches and pools up to their steady size
+        await open_and_close()
+    gc.collect()
+    threads, tasks, rss = threading.active_count(), len(asyncio.all_tasks()), rss_mb()
+    for _ in range(50):
+        await open_and_close()
+    await asyncio.sleep(0.5)
+    gc.collect()
+    grown = (threading.active_count() - threads, len(asyncio.all_tasks()) - tasks, rss_mb() - rss)
+    print(f"after 50 conversations: threads {grown[0]:+d}, asyncio tasks {grown[1]:+d}, RSS {grown[2]:+.1f} MB")
+    assert grown[0] <= 1 and grown[1] <= 1 and grown[2] <= 40, grown
+
+
+async def test_over_capacity_is_refused_clearly_and_running_rooms_go_on(live_agent, say):  # noqa: F811
+    sessions: SessionRegistry = live_agent.app.state.sessions
+    metrics: AgentMetrics = live_agent.app.state.metrics
+    capacity = sessions.capacity
+    caller, room = await join_room(live_agent)
+    try:
+        sessions.capacity = sessions.active  # full now, with this conversation running
+        refused_before = metrics.sessions_refused.labels(transport="livekit")._value.get()
+        async with httpx.AsyncClient() as http:
+            response = await http.post(
+                f"{live_agent.http}/api/session", headers={"Authorization": f"Bearer {API_KEY}"}
+            )
+        assert response.status_code == 503 and int(response.headers["retry-after"]) > 0
+        assert "in use" in response.json()["detail"]
+        assert metrics.sessions_refused.labels(transport="livekit")._value.get() == refused_before + 1
+        # The running conversation is unaffected: it still answers.
+        conversation = sessions.get(room)
+        before = len(conversation.llm.replies)
+        await caller.silence(0.3)
+        _, ended = await caller.speak(await say("What is the capital of France?"))
+        await wait_for_answer(live_agent, room, caller, ended)
+        assert len(conversation.llm.replies) == before + 1
+    finally:
+        sessions.capacity = capacity
+        await caller.leave()
+        # The worker tells LiveKit it is available again with its next status update (every
+        # 2.5 s); a room opened before then finds no worker and is never dispatched.
+        await asyncio.sleep(3)
+
+
+async def test_metrics_are_served_and_move(live_agent, say):  # noqa: F811
+    async def scrape() -> dict[str, float]:
+        async with httpx.AsyncClient() as http:
+            response = await http.get(f"{live_agent.http}/metrics")
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+        samples = {}
+        for family in text_string_to_metric_families(response.text):
+            for sample in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "le")
+                if "le" not in sample.labels:
+                    samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+        return samples
+
+    before = await scrape()
+    for series in (
+        "voice_agent_sessions_active",
+        "voice_agent_sessions_capacity",
+        "voice_agent_voice_to_voice_seconds_count",
+        "voice_agent_stt_seconds_count",
+        "voice_agent_llm_first_token_seconds_count",
+        "voice_agent_tts_first_audio_seconds_count",
+        "voice_agent_tts_realtime_factor_count",
+        "voice_agent_audio_underruns_total",
+        "voice_agent_engine_queue_depth{engine=llm}",
+        "voice_agent_engine_queue_depth{engine=stt}",
+        "voice_agent_llm_requests_total{outcome=started}",
+    ):
+        assert series in before, f"{series} missing from /metrics"
+    caller, room = await join_room(live_agent)
+    try:
+        during = await scrape()
+        assert during["voice_agent_sessions_active"] >= 1
+        await caller.silence(0.3)
+        _, ended = await caller.speak(await say("How many legs does a spider have?"))
+        await wait_for_answer(live_agent, room, caller, ended)
+    finally:
+        await caller.leave()
+    after = await scrape()
+    for series in (
+        "voice_agent_voice_to_voice_seconds_count",
+        "voice_agent_stt_seconds_count",
+        "voice_agent_llm_first_token_seconds_count",
+        "voice_agent_tts_first_audio_seconds_count",
+        "voice_agent_llm_requests_total{outcome=started}",
+        "voice_agent_sessions_started_total",
+    ):
+        assert after[series] > before[series], series
