@@ -4,7 +4,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from loguru import logger
-from pipecat.audio.vad.silero import SileroVADAnalyzer
 from pipecat.audio.vad.vad_analyzer import VADParams
 from pipecat.observers.base_observer import BaseObserver
 from pipecat.pipeline.pipeline import Pipeline
@@ -17,6 +16,8 @@ from pipecat.processors.aggregators.llm_response_universal import (
     LLMUserAggregatorParams,
 )
 from pipecat.transports.base_transport import BaseTransport
+from pipecat.turns.user_stop import TurnAnalyzerUserTurnStopStrategy
+from pipecat.turns.user_turn_strategies import UserTurnStrategies
 from pipecat.workers.runner import WorkerRunner
 
 from agent.config import Settings
@@ -29,6 +30,7 @@ from frames.audio_guard import InputAudioGuard
 from frames.llm import TransformersLLMService
 from frames.stt import WhisperSTTService
 from frames.tts import LocalTTSService
+from frames.turn_models import SharedSileroVADAnalyzer, SharedSmartTurnAnalyzer
 
 AUDIO_IN_SAMPLE_RATE = 16000  # what Silero, smart-turn and Whisper all want
 AUDIO_OUT_SAMPLE_RATE = 24000  # Orpheus' native rate; transports resample for their codec
@@ -61,15 +63,18 @@ def build_conversation(
     user_aggregator, assistant_aggregator = LLMContextAggregatorPair(
         context,
         user_params=LLMUserAggregatorParams(
-            vad_analyzer=SileroVADAnalyzer(
+            vad_analyzer=SharedSileroVADAnalyzer(
                 params=VADParams(
                     start_secs=settings.vad_start_secs,
                     stop_secs=settings.vad_stop_secs,
                     min_volume=settings.vad_min_volume,
                 )
             ),
-            # Default turn strategies: start on VAD or transcript, stop when smart-turn v3.2
-            # (local ONNX) judges the turn complete.
+            # Pipecat's default strategies: start on VAD or transcript, stop when smart-turn
+            # v3.2 (local ONNX) judges the turn complete; its model shared by all conversations.
+            user_turn_strategies=UserTurnStrategies(
+                stop=[TurnAnalyzerUserTurnStopStrategy(turn_analyzer=SharedSmartTurnAnalyzer())]
+            ),
         ),
     )
     guard = InputAudioGuard(on_drop=(lambda kind: metrics.count_error("audio_input")) if metrics else None)

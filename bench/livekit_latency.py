@@ -153,7 +153,8 @@ async def converse(caller: LiveKitCaller, conversation, questions, audio, label:
         spoken.append(row)
         v2v = f"{row['participant_v2v']:.2f}s v2v" if first is not None else "NO REPLY"
         watchdog = " (turn ended by the 5 s stop watchdog)" if row["turn_stop_timeouts"] else ""
-        print(f"  {label}turn {turn + 1}/{len(questions)}: {v2v} to {question!r}, heard {row['heard']!r}{watchdog}", flush=True)
+        print(f"  {label}turn {turn + 1}/{len(questions)}: {v2v} to {question!r}, heard {row['heard']!r}{watchdog}",
+              flush=True)
     return spoken
 
 

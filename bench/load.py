@@ -1,4 +1,4 @@
-"""Load ramp: N callers at once against one agent process → voice-to-voice, stage latency, underruns and memory per N."""
+"""Load ramp: N callers at once against one agent process → voice-to-voice, stage latency, underruns, memory."""
 
 import argparse
 import asyncio
@@ -64,13 +64,15 @@ parser.add_argument(
     + ", ".join(f"{secs:g} on the {profile} profile" for profile, secs in TARGET_P95_SECS.items())
     + ")",
 )
-parser.add_argument("--profile", choices=["cpu", "gpu"], default=None, help="settings profile (default: $PROFILE or cpu)")
+parser.add_argument("--profile", choices=["cpu", "gpu"], help="settings profile (default: $PROFILE or cpu)")
 parser.add_argument(
     "--in-process",
     action="store_true",
     help="callers are LocalSessions on the in-memory transport (no LiveKit); voice-to-voice is then the agent's own",
 )
-parser.add_argument("--out", type=Path, default=None, help="JSON results (default bench/results/load-PROFILE.json); the plot goes beside it")
+parser.add_argument(
+    "--out", type=Path, default=None, help="JSON results (default bench/results/load-PROFILE.json), PNG beside it"
+)
 
 
 def questions_for(caller: int, turns: int) -> list[str]:
@@ -86,10 +88,11 @@ async def livekit_step(app, settings, n: int, turns: int, speech: dict[str, byte
         failures = [j for j in joined if isinstance(j, BaseException)]
         if failures:
             raise failures[0]
+        asked = [questions_for(i, turns) for i in range(n)]
         spoken = await asyncio.gather(
             *(
-                converse(caller, conversation, questions_for(i, turns), [speech[q] for q in questions_for(i, turns)], f"caller {i} ")
-                for i, (caller, conversation) in enumerate(calls)
+                converse(caller, conversation, questions, [speech[q] for q in questions], f"caller {i} ")
+                for i, ((caller, conversation), questions) in enumerate(zip(calls, asked))
             )
         )
         # Read the agent's records while the rooms still exist: leaving ends the conversations.
@@ -110,10 +113,11 @@ async def livekit_step(app, settings, n: int, turns: int, speech: dict[str, byte
 
 async def in_process_step(engines, settings, n: int, turns: int, speech: dict[str, bytes]) -> list[dict]:
     """N LocalSessions start at once on the in-memory transport and ask their questions."""
+    asked = [questions_for(i, turns) for i in range(n)]
     sessions = await asyncio.gather(
         *(
-            run_session(i, engines, settings, questions_for(i, turns), [speech[q] for q in questions_for(i, turns)])
-            for i in range(n)
+            run_session(i, engines, settings, questions, [speech[q] for q in questions])
+            for i, questions in enumerate(asked)
         )
     )
     return [
@@ -190,7 +194,8 @@ def print_ramp(steps: list[dict]) -> None:
     gpu = steps[0]["gpu_mb"] is not None
     fmt = lambda v: f"{v:8.2f}" if v is not None else f"{'-':>8}"  # noqa: E731
     header = f"{'N':>3} {'answered':>9} {'v2v p50':>8} {'v2v p95':>8} {'stt p95':>8} {'llm p95':>8} {'tts p95':>8}"
-    print(header + f" {'underruns':>9} {'RSS MB':>7} {'peak MB':>7}" + (f" {'GPU MB':>7}" if gpu else "") + "  p95 < target")
+    header += f" {'underruns':>9} {'RSS MB':>7} {'peak MB':>7}" + (f" {'GPU MB':>7}" if gpu else "")
+    print(header + "  p95 < target")
     for s in steps:
         stats = s["summary"]
         line = (
@@ -217,7 +222,7 @@ def plot(steps: list[dict], target: float, title: str, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     ax.plot(callers, p("voice_to_voice", "p50"), "o-", color="black", label="voice-to-voice p50")
-    ax.plot(callers, p("voice_to_voice", "p95"), "o-", color="black", linewidth=2.5, alpha=0.45, label="voice-to-voice p95")
+    ax.plot(callers, p("voice_to_voice", "p95"), "o-", color="black", lw=2.5, alpha=0.45, label="voice-to-voice p95")
     for metric in PLOTTED_STAGES:
         ax.plot(callers, p(metric, "p95"), "s--", markersize=4, label=f"{metric} p95")
     ax.axhline(target, color="tab:red", linestyle=":", label=f"target p95 {target:g} s")
@@ -281,7 +286,8 @@ async def main(args):
     good = steps[: passed.index(False)] if False in passed else steps
     max_callers = good[-1]["callers"] if good else 0
     load = os.getloadavg()[0]
-    print(f"\nload ramp, {mode}, {settings.profile} profile, load average {load:.2f}; target voice-to-voice p95 < {target:g}s")
+    print(f"\nload ramp, {mode}, {settings.profile} profile, load average {load:.2f}; "
+          f"target voice-to-voice p95 < {target:g}s")
     print_ramp(steps)
     print(f"largest N with voice-to-voice p95 under {target:g}s (and every turn answered): {max_callers or 'none'}")
 
@@ -302,12 +308,14 @@ async def main(args):
         "definitions": {
             "voice_to_voice": (
                 "in-process: the agent's TurnLatency.voice_to_voice (VAD end of speech to BotStartedSpeakingFrame); "
-                "livekit: participant_v2v, first received agent audio minus the question's voiced end (bench.livekit_latency)"
+                "livekit: participant_v2v, first received agent audio minus the question's voiced end "
+                "(as bench.livekit_latency)"
             ),
             "agent_v2v": "livekit: the agent's own TurnLatency.voice_to_voice",
             "within_target": "every turn answered and voice-to-voice p95 < target_p95_seconds",
             "max_callers_under_target": "largest N before the first step that is not within_target",
-            "underruns": "sum of conversation.turns.underruns: agent audio that stopped and restarted with no user turn between",
+            "underruns": "sum of conversation.turns.underruns: agent audio that stopped and restarted "
+            "with no user turn between",
             "rss_mb": "VmRSS after the step's conversations ended; rss_peak_mb: VmHWM during the step",
         },
         "steps": steps,

@@ -27,9 +27,15 @@ from services.stt import WHISPER_SAMPLE_RATE
 MEMORY_FIELDS = ["rss", "pss", "anon", "file"]
 
 parser = argparse.ArgumentParser(description=__doc__)
-parser.add_argument("--sessions", type=int, default=8, help="conversations, model copies and concurrent LLM requests (default 8)")
-parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens each LLM request generates at most (default 64)")
-parser.add_argument("--out", type=Path, default=None, help="JSON results (default bench/results/shared-vs-copies-cpu.json)")
+parser.add_argument(
+    "--sessions", type=int, default=8, help="conversations, model copies and concurrent LLM requests (default 8)"
+)
+parser.add_argument(
+    "--max-new-tokens", type=int, default=64, help="tokens each LLM request generates at most (default 64)"
+)
+parser.add_argument(
+    "--out", type=Path, default=None, help="JSON results (default bench/results/shared-vs-copies-cpu.json)"
+)
 
 
 def memory_growth(before: dict, after: dict, per: int = 1) -> dict:
@@ -51,7 +57,7 @@ async def shared_session_memory(engines, settings, sessions: int) -> dict:
 
 
 def whisper_copy_memory(settings: Settings, audio) -> dict:
-    """Memory growth of one more faster-whisper model (as Pipecat's stock WhisperSTTService loads per session), used once."""
+    """Memory growth of one more faster-whisper model, used once (stock Pipecat WhisperSTTService: one per session)."""
     gc.collect()
     before = process_memory_mb()
     model = WhisperModel(settings.stt_model, device="cpu", compute_type=settings.stt_compute_type)
@@ -122,11 +128,13 @@ def print_comparison(rows: list[tuple]) -> None:
     fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
     print(f"{'':<34} {'shared engines':>15} {'copy per session':>17} {'sharing wins by':>16}")
     for what, shared, copies, advantage in rows:
-        print(f"{what:<34} {fmt(shared, '15.1f'):>15} {fmt(copies, '17.1f'):>17} {fmt(advantage, '15.1f') + 'x' if advantage else '':>16}")
+        wins = fmt(advantage, "15.1f") + "x" if advantage else ""
+        print(f"{what:<34} {fmt(shared, '15.1f'):>15} {fmt(copies, '17.1f'):>17} {wins:>16}")
 
 
 async def main(args):
-    settings = Settings(profile="cpu", device="cpu", llm_temperature=0.0)  # greedy, so both sides generate the same text
+    # Greedy, so both sides should generate the same text.
+    settings = Settings(profile="cpu", device="cpu", llm_temperature=0.0)
     out = args.out or Path(__file__).parent / "results" / "shared-vs-copies-cpu.json"
     started = time.perf_counter()
     baseline = process_memory_mb()
@@ -136,9 +144,12 @@ async def main(args):
     print(f"engines loaded and warm: RSS +{engines_memory['rss']:.0f} MB", flush=True)
     llm = engines.llm
     try:
-        prompts = [llm.encode_chat([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]) for i in range(args.sessions)]
-        pad_token_id = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else llm.tokenizer.eos_token_id
-        speech = pcm16_to_float(await engines.tts.synthesize(QUESTIONS[0]), engines.tts.sample_rate, WHISPER_SAMPLE_RATE)
+        questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.sessions)]
+        prompts = [llm.encode_chat([{"role": "user", "content": q}]) for q in questions]
+        tokenizer = llm.tokenizer
+        pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        pcm = await engines.tts.synthesize(QUESTIONS[0])
+        speech = pcm16_to_float(pcm, engines.tts.sample_rate, WHISPER_SAMPLE_RATE)
 
         print(f"{args.sessions} conversations on the shared engines ...", flush=True)
         session_memory = await shared_session_memory(engines, settings, args.sessions)
@@ -161,7 +172,9 @@ async def main(args):
     copy_session_memory = {k: whisper_memory[k] + llm_copy_memory[k] + session_memory[k] for k in MEMORY_FIELDS}
     shared_tokens, copies_tokens = sum(map(len, shared_ids)), sum(map(len, copies_ids))
     shared_rate, copies_rate = shared_tokens / shared_seconds, copies_tokens / copies_seconds
-    memory_ratio = {k: copy_session_memory[k] / session_memory[k] if session_memory[k] > 0 else None for k in ("rss", "pss")}
+    memory_ratio = {
+        k: copy_session_memory[k] / session_memory[k] if session_memory[k] > 0 else None for k in ("rss", "pss")
+    }
     same_text = sum(a == b for a, b in zip(shared_ids, copies_ids))
 
     load = os.getloadavg()[0]
@@ -220,10 +233,10 @@ async def main(args):
             "rss_pss": "RSS counts every mapping of a file page; PSS splits a page mapped k times into k shares, "
             "so it is the physical memory added (see process_memory_mb)",
             "whisper_copy": "memory growth of WhisperModel(stt_model) plus one transcription",
-            "llm_copy_mean": "memory growth of AutoModelForCausalLM.from_pretrained(converted checkpoint) plus one generate(), "
-            "mean over the copies",
-            "tokens_per_second": "generated ids of all requests / wall time from the start of all to the end of the last; "
-            "shared: the engine's continuous batch; copies: model.generate() in one thread per copy",
+            "llm_copy_mean": "memory growth of AutoModelForCausalLM.from_pretrained(converted checkpoint) "
+            "plus one generate(), mean over the copies",
+            "tokens_per_second": "generated ids of all requests / wall time from the start of all to the end of "
+            "the last; shared: the engine's continuous batch; copies: model.generate() in one thread per copy",
         },
     }
     write_json(out, result)
