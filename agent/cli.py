@@ -92,7 +92,7 @@ def dev_command(args: argparse.Namespace) -> None:
 def worker_command(args: argparse.Namespace) -> None:
     from agent.engines import load_engines_warm
     from agent.livekit_worker import create_agent_server
-    from agent.sessions import SessionRegistry
+    from agent.sessions import SessionRegistry, session_capacity
 
     logger.remove()
     logger.add(sys.stderr, level=args.log_level)
@@ -102,7 +102,7 @@ def worker_command(args: argparse.Namespace) -> None:
 
     async def run() -> None:
         engines = await load_engines_warm(settings)
-        server = create_agent_server(settings, engines, SessionRegistry(settings.max_sessions))
+        server = create_agent_server(settings, engines, SessionRegistry(session_capacity(settings)))
         print(f"voice-agent worker: registering as {settings.agent_name!r} at {settings.livekit_url}", flush=True)
         try:
             await server.run()

@@ -28,6 +28,8 @@ class LiveKitCaller:
     token: str
     heard: list[HeardChunk] = field(default_factory=list)
     room: rtc.Room = field(default_factory=rtc.Room)
+    # Created before connecting: the agent's track can be subscribed while connect() runs.
+    _readers: list[asyncio.Task] = field(default_factory=list)
 
     async def join(self, timeout: float = 20.0) -> None:
         """Connect, publish a microphone track, and record the first remote audio track."""
@@ -37,7 +39,6 @@ class LiveKitCaller:
         track = rtc.LocalAudioTrack.create_audio_track("microphone", self._source)
         options = rtc.TrackPublishOptions(source=rtc.TrackSource.SOURCE_MICROPHONE)
         await self.room.local_participant.publish_track(track, options)
-        self._readers: list[asyncio.Task] = []
 
     def _on_track(self, track: rtc.Track, _publication, participant: rtc.RemoteParticipant) -> None:
         if track.kind == rtc.TrackKind.KIND_AUDIO:
@@ -84,6 +85,6 @@ class LiveKitCaller:
         return voiced[-1] if voiced else None
 
     async def leave(self) -> None:
-        for reader in getattr(self, "_readers", []):
+        for reader in self._readers:
             reader.cancel()
         await self.room.disconnect()

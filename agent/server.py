@@ -25,7 +25,7 @@ from agent.config import Settings
 from agent.engines import Engines, load_engines_warm
 from agent.metrics import CONTENT_TYPE_LATEST, AgentMetrics
 from agent.pipeline import build_conversation, run_conversation
-from agent.sessions import SessionRegistry
+from agent.sessions import SessionRegistry, session_capacity
 
 RETRY_AFTER_SECS = 5
 WEB_DIR = Path(__file__).resolve().parent.parent / "web"  # the browser demo; its dist/ is committed
@@ -37,7 +37,7 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
     handler = SmallWebRTCRequestHandler()
     # Every conversation of this process, peer-to-peer or LiveKit: they share the engines, so
     # they share the capacity too.
-    sessions = SessionRegistry(settings.max_sessions)
+    sessions = SessionRegistry(session_capacity(settings))
     metrics = AgentMetrics(sessions, engines_of=lambda: app.state.engines)
     peer_tasks: set[asyncio.Task] = set()  # peer-to-peer conversations, awaited at shutdown
 
@@ -99,6 +99,16 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
             )
         return engines
 
+    def refuse_when_full(transport: str) -> None:
+        """503 with Retry-After when every conversation slot is taken; running ones are untouched."""
+        if sessions.full:
+            metrics.sessions_refused.labels(transport=transport).inc()
+            raise HTTPException(
+                503,
+                f"all {sessions.capacity} conversations of this agent are in use",
+                headers={"Retry-After": str(RETRY_AFTER_SECS)},
+            )
+
     @app.get("/health")
     async def health():
         engines = app.state.engines
@@ -124,13 +134,7 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
         check_api_key(settings, authorization)
         if not settings.livekit_enabled:
             raise HTTPException(404, "LiveKit is not configured; use /api/offer (peer-to-peer WebRTC)")
-        if sessions.full:
-            metrics.sessions_refused.labels(transport="livekit").inc()
-            raise HTTPException(
-                503,
-                f"all {settings.max_sessions} conversations of this agent are in use",
-                headers={"Retry-After": str(RETRY_AFTER_SECS)},
-            )
+        refuse_when_full("livekit")
         room = f"voice-{secrets.token_hex(8)}"
         return {
             "url": settings.livekit_public_url or settings.livekit_url,
@@ -148,13 +152,7 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
     @app.post("/api/offer")
     async def offer(request: SmallWebRTCRequest):
         engines = ready_engines()
-        if sessions.full:
-            metrics.sessions_refused.labels(transport="webrtc").inc()
-            raise HTTPException(
-                503,
-                f"all {sessions.capacity} sessions are in use",
-                headers={"Retry-After": str(RETRY_AFTER_SECS)},
-            )
+        refuse_when_full("webrtc")
         failures: list[Exception] = []
 
         async def on_new_connection(connection: SmallWebRTCConnection) -> None:

@@ -2,7 +2,30 @@
 
 import threading
 
+from loguru import logger
+
+from agent.config import Settings
 from agent.pipeline import Conversation
+
+LLM_TOKENS_PER_SESSION = 2048  # context + reply a conversation may hold in the LLM's KV cache
+
+
+def session_capacity(settings: Settings) -> int:
+    """Conversations this process takes: MAX_SESSIONS, unless an engine budget allows fewer.
+
+    Past the LLM's KV cache (LLM_KV_CACHE_TOKENS / 2048 per conversation) requests would queue
+    for cache pages; past Orpheus' batch (TTS_MAX_STREAMS) speech would fall behind real time.
+    """
+    limits = {
+        "MAX_SESSIONS": settings.max_sessions,
+        "LLM_KV_CACHE_TOKENS": max(1, settings.llm_kv_cache_tokens // LLM_TOKENS_PER_SESSION),
+    }
+    if settings.tts_engine == "orpheus":
+        limits["TTS_MAX_STREAMS"] = settings.tts_max_streams
+    binding = min(limits, key=limits.get)
+    if binding != "MAX_SESSIONS":
+        logger.warning(f"capacity {limits[binding]} conversations (set by {binding}), below MAX_SESSIONS")
+    return limits[binding]
 
 
 class SessionRegistry:
