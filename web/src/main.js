@@ -34,6 +34,7 @@ let awaitingReply = false; // the user finished a turn; the next agent audio ans
 let userLine = null; // transcript entries being filled
 let agentLine = null;
 let agentSpeaking = false;
+let reply = { open: false, llmDone: false, synthesizing: false }; // the agent's current reply
 
 // --- UI helpers -----------------------------------------------------------------------------
 
@@ -228,8 +229,7 @@ function onData(payload) {
   const data = message.data || {};
   switch (message.type) {
     case "user-started-speaking":
-      if (agentLine && agentSpeaking) agentLine.classList.add("interrupted");
-      agentLine = null;
+      cutOffReply();
       setAgentState("listening");
       break;
     case "user-stopped-speaking":
@@ -238,7 +238,10 @@ function onData(payload) {
       break;
     case "user-transcription":
       if (!data.text) break;
-      if (!userLine) userLine = addLine("user", "");
+      if (!userLine) {
+        userLine = addLine("user", "");
+        agentLine = null; // the next reply gets a line of its own
+      }
       if (data.final) {
         userLine.classList.remove("interim");
         appendText(userLine, data.text);
@@ -252,8 +255,21 @@ function onData(payload) {
       setAgentState("speaking");
       break;
     case "bot-stopped-speaking":
-      agentSpeaking = false; // the reply's line stays open: a pause between sentences is not its end
+      agentSpeaking = false; // a pause between sentences is not the end of the reply
+      if (reply.llmDone && !reply.synthesizing) reply.open = false;
       setAgentState("listening");
+      break;
+    case "bot-llm-started":
+      reply = { open: true, llmDone: false, synthesizing: false };
+      break;
+    case "bot-llm-stopped":
+      reply.llmDone = true;
+      break;
+    case "bot-tts-started":
+      reply.synthesizing = true;
+      break;
+    case "bot-tts-stopped":
+      reply.synthesizing = false;
       break;
     case "bot-output": {
       // One segment (sentence) at a time: "new" when it is sent to the TTS, then its words as
@@ -271,11 +287,17 @@ function onData(payload) {
       break;
     }
     case "bot-interrupted":
-      if (agentLine) agentLine.classList.add("interrupted");
-      agentLine = null;
+      cutOffReply();
       agentSpeaking = false;
       break;
   }
+}
+
+// The user cut in: if the agent had more to say (still generating, synthesizing or playing),
+// its line ends here with "…". Pipecat interrupts on every user turn, finished reply or not.
+function cutOffReply() {
+  if (reply.open && agentLine) agentLine.classList.add("interrupted");
+  reply.open = false;
 }
 
 // --- Audio levels and latency ---------------------------------------------------------------
