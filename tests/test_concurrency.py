@@ -50,11 +50,13 @@ async def answer_once(session: LocalSession, engines, say, question: str) -> Non
     bot_audio = session.played_audio(start=ended)
     heard = user_messages(session)
     assert heard and wer(question, heard[-1]) <= 0.25, (question, heard)
-    spoken = await engines.stt.transcribe(bot_audio, BOT_RATE)
-    assert wer(session.conversation.llm.replies[-1], spoken.text) <= 0.35, (
-        session.conversation.llm.replies[-1],
-        spoken.text,
-    )
+    spoken = (await engines.stt.transcribe(bot_audio, BOT_RATE)).text
+    reply = session.conversation.llm.replies[-1]
+    # The agent spoke its reply: the same opening words, and about as many words. (Not WER on
+    # the whole: SmolLM2-135M can loop on a phrase, and tiny.en then loops a few times more.)
+    opening = lambda text: " ".join(normalize(text).split()[:12])  # noqa: E731
+    assert wer(opening(reply), opening(spoken)) <= 0.35, (reply, spoken)
+    assert len(normalize(spoken).split()) >= 0.6 * len(normalize(reply).split()), (reply, spoken)
 
 
 async def eight_at_once(engines, settings, say) -> None:
