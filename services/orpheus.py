@@ -278,7 +278,8 @@ class OrpheusEngine:
                 do_sample=True,
                 temperature=temperature,
                 top_p=top_p,
-                max_new_tokens=max_new_tokens_for("x" * max_chunk_chars),
+                # Each request passes its own budget; this covers the longest chunk (~5 chars/word).
+                max_new_tokens=max_new_tokens_for("word " * (max_chunk_chars // 5)),
                 eos_token_id=END_OF_SPEECH,
                 pad_token_id=PAD,
             ),

@@ -55,7 +55,7 @@ class PositionalNoise(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         steps = torch.arange(x.shape[-1], device=x.device)
-        positions = (self.frame_offsets.to(x.device)[:, None] * self.samples_per_frame + steps) % NOISE_PERIOD
+        positions = (self.frame_offsets[:, None] * self.samples_per_frame + steps) % NOISE_PERIOD
         noise = self.table[positions].to(x.dtype)[:, None, :]
         return x + noise * self.linear(x)
 
@@ -114,8 +114,9 @@ class SnacDecoder:
             frames[:, :, [1, 4]].reshape(batch, 2 * width),
             frames[:, :, [2, 3, 5, 6]].reshape(batch, 4 * width),
         ]
+        offsets = first_frames.to(self.device)  # once, not once per noise block
         for noise in self._noise:
-            noise.frame_offsets = first_frames
+            noise.frame_offsets = offsets
         started = time.perf_counter()
         audio = self.model.decoder(self.model.quantizer.from_codes(codes))[:, 0, :].float()
         if self.device.type == "cuda":
