@@ -4,7 +4,12 @@ import pytest
 
 from agent.config import Settings
 from agent.engines import Engines, load_engines_warm
+from tests.livekit_fixtures import live_agent, livekit_url  # noqa: F401 (fixtures)
 from tests.speech import speak_16k
+
+# The LiveKit fixtures are imported here, not in each test module: a session fixture imported
+# into several modules is a separate fixture in each, which started one livekit-server and one
+# agent worker per module.
 
 
 @pytest.fixture(scope="session")

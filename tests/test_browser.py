@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import soxr
 
-from tests.livekit_fixtures import API_KEY, live_agent, livekit_url  # noqa: F401 (fixtures)
+from tests.livekit_fixtures import API_KEY
 from tests.speech import normalize, wer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,7 +92,7 @@ def voiced_spans(trace: list, column: int) -> list[tuple[float, float]]:
     return [(a, b) for a, b in spans]
 
 
-async def test_talk_to_the_agent_in_a_browser_and_cut_in(live_agent, say, artifacts, tmp_path):  # noqa: F811
+async def test_talk_to_the_agent_in_a_browser_and_cut_in(live_agent, say, artifacts, tmp_path):
     question, cut_in = await say(QUESTION), await say(CUT_IN)
     wav = tmp_path / "microphone.wav"
     write_wav(wav, [LEAD_IN_SECS, question, CUT_IN_AFTER_SECS, cut_in, 20.0])
@@ -140,13 +140,13 @@ async def test_talk_to_the_agent_in_a_browser_and_cut_in(live_agent, say, artifa
     assert stopped_after <= 1.5, f"agent audio went on {stopped_after:.2f}s after the user cut in"
 
 
-async def test_microphone_denied_shows_a_clear_message(live_agent, artifacts):  # noqa: F811
+async def test_microphone_denied_shows_a_clear_message(live_agent, artifacts):
     result = await run_page("mic-denied", f"{live_agent.http}/", apiKey=API_KEY)
     assert "Microphone access was denied" in (result["error"] or ""), result
     assert result["connectVisible"] and result["consoleErrors"] == []
 
 
-async def test_unreachable_server_shows_a_clear_message(live_agent, artifacts):  # noqa: F811
+async def test_unreachable_server_shows_a_clear_message(live_agent, artifacts):
     result = await run_page(
         "server-down", f"{live_agent.http}/", apiKey=API_KEY, viewport={"width": 1280, "height": 800},
         screenshot=str(artifacts / "browser-demo-server-down.png"),

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent.local_session import LocalSession
 from agent.metrics import AgentMetrics
 from agent.sessions import SessionRegistry
-from tests.livekit_fixtures import API_KEY, live_agent, livekit_url  # noqa: F401 (fixtures)
+from tests.livekit_fixtures import API_KEY
 from tests.speech import normalize, wer
 from tests.test_conversation import BOT_RATE, user_messages, wait_for_reply
 from tests.test_livekit import join_room, wait_for_answer
@@ -115,7 +115,7 @@ async def test_fifty_conversations_opened_and_closed_leave_nothing_behind(engine
     assert grown[0] <= 1 and grown[1] <= 1 and grown[2] <= 40, grown
 
 
-async def test_over_capacity_is_refused_clearly_and_running_rooms_go_on(live_agent, say):  # noqa: F811
+async def test_over_capacity_is_refused_clearly_and_running_rooms_go_on(live_agent, say):
     sessions: SessionRegistry = live_agent.app.state.sessions
     metrics: AgentMetrics = live_agent.app.state.metrics
     capacity = sessions.capacity
@@ -145,7 +145,7 @@ async def test_over_capacity_is_refused_clearly_and_running_rooms_go_on(live_age
         await asyncio.sleep(3)
 
 
-async def test_metrics_are_served_and_move(live_agent, say):  # noqa: F811
+async def test_metrics_are_served_and_move(live_agent, say):
     async def scrape() -> dict[str, float]:
         async with httpx.AsyncClient() as http:
             response = await http.get(f"{live_agent.http}/metrics")

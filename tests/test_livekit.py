@@ -11,7 +11,7 @@ import pytest
 from livekit import api, rtc
 
 from agent.livekit_caller import SAMPLE_RATE, LiveKitCaller
-from tests.livekit_fixtures import API_KEY, live_agent, livekit_url  # noqa: F401 (fixtures)
+from tests.livekit_fixtures import API_KEY
 from tests.speech import wer
 
 VOICE_RMS = 300.0  # PCM16 RMS above which received audio counts as the agent speaking
