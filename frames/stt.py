@@ -4,6 +4,7 @@ from collections.abc import AsyncGenerator
 
 from loguru import logger
 from pipecat.frames.frames import ErrorFrame, Frame, TranscriptionFrame
+from pipecat.processors.frame_processor import FrameProcessorSetup
 from pipecat.services.settings import STTSettings
 from pipecat.services.stt_service import SegmentedSTTService
 from pipecat.transcriptions.language import Language
@@ -11,6 +12,12 @@ from pipecat.utils.time import time_now_iso8601
 
 from services.audio import AudioFormatError
 from services.stt import WhisperEngine
+
+# Audio kept from before the VAD says the user started speaking. The VAD runs downstream, in the
+# user aggregator, so its start event reaches this service after the audio it marks; on a loaded
+# machine that lag passed Pipecat's 1 s and clipped the user's first words ("...weather lichen
+# pairs"). Whisper ignores the extra leading silence.
+PRE_ROLL_SECS = 3.0
 
 
 class WhisperSTTService(SegmentedSTTService):
@@ -26,6 +33,11 @@ class WhisperSTTService(SegmentedSTTService):
         )
         self._engine = engine
         self.last_transcript = None  # the engine's Transcript for the latest segment
+
+    async def setup(self, setup: FrameProcessorSetup):
+        await super().setup(setup)
+        # Pipecat sizes its pre-roll buffer here (named for its 1 s default) and has no option for it.
+        self._audio_buffer_size_1s = int(self.sample_rate * 2 * PRE_ROLL_SECS)
 
     @property
     def wants_wav_segments(self) -> bool:

@@ -81,15 +81,18 @@ def artifacts() -> Path:
 
 def voiced_spans(trace: list, column: int) -> list[tuple[float, float]]:
     """(start, end) in seconds of the stretches where a trace column is above LEVEL_VOICE (gaps < 0.3 s joined)."""
-    spans: list[list[float]] = []
-    for row in trace:
-        t, level = row[0] / 1000, row[column]
-        if level > LEVEL_VOICE:
-            if spans and t - spans[-1][1] < 0.3:
-                spans[-1][1] = t
-            else:
-                spans.append([t, t])
-    return [(a, b) for a, b in spans]
+    voiced = [(row[0] / 1000, row[0] / 1000) for row in trace if row[column] > LEVEL_VOICE]
+    return join_spans(voiced, gap=0.3)
+
+
+def join_spans(spans: list[tuple[float, float]], gap: float) -> list[tuple[float, float]]:
+    joined: list[list[float]] = []
+    for start, end in spans:
+        if joined and start - joined[-1][1] < gap:
+            joined[-1][1] = max(joined[-1][1], end)
+        else:
+            joined.append([start, end])
+    return [(a, b) for a, b in joined]
 
 
 async def test_talk_to_the_agent_in_a_browser_and_cut_in(live_agent, say, artifacts, tmp_path):
@@ -130,7 +133,9 @@ async def test_talk_to_the_agent_in_a_browser_and_cut_in(live_agent, say, artifa
     user_spans = voiced_spans(result["trace"], 1)
     agent_spans = voiced_spans(result["trace"], 2)
     cut_in_at = next(start for start, _ in user_spans if start > LEAD_IN_SECS + 3.5)
-    talking = [span for span in agent_spans if span[0] < cut_in_at < span[1] + 0.3]
+    # The agent's reply, with pauses between its sentences (a loaded CPU leaves ~1.5 s gaps) joined.
+    replies = join_spans(agent_spans, gap=2.0)
+    talking = [span for span in replies if span[0] < cut_in_at < span[1] + 0.3]
     assert talking, f"the agent was not talking when the user cut in ({agent_spans}, cut-in at {cut_in_at:.2f})"
     stopped_after = talking[0][1] - cut_in_at
     print(f"browser: agent audio stopped {stopped_after:.2f}s after the cut-in; latencies {observed['latencies']}")

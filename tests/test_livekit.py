@@ -121,7 +121,10 @@ async def test_barge_in_over_webrtc(live_agent, engines, say):
 
         # The agent's old answer stops soon after the user starts talking (on received audio).
         last_old = caller.last_voice_between(asked, ended, VOICE_RMS)
-        assert last_old - onset <= 0.5, f"agent audio went on {last_old - onset:.2f}s after the user cut in"
+        # A bound on correctness (it stops rather than finishing the answer), not on speed: caller,
+        # livekit-server and agent share two cores here, and WebRTC adds jitter buffers both ways
+        # (seen 0.44-0.50 s). In-process, tests/test_conversation.py holds it to 0.3 s.
+        assert last_old - onset <= 0.8, f"agent audio went on {last_old - onset:.2f}s after the user cut in"
         # And the agent answers the new question.
         await wait_for_answer(live_agent, room, caller, ended)
         assert caller.first_voice_after(ended, VOICE_RMS) is not None
