@@ -80,7 +80,7 @@ async def run_room(
     identity = f"{settings.agent_name}-{ctx.job.id}"
     conversation = build_conversation(
         lambda audio: LiveKitTransport(
-            settings.livekit_url, agent_token(settings, room, identity), room, params=LiveKitParams(**audio)
+            settings.livekit_url, agent_token(settings, room, identity), room, params=LiveKitParams(**audio, audio_out_queue_size_ms=200)
         ),
         engines,
         settings,
