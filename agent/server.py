@@ -178,18 +178,12 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
     def start_session(connection: SmallWebRTCConnection, engines: Engines) -> None:
         if not sessions.reserve(connection.pc_id):
             raise RuntimeError(f"no free session slot ({sessions.capacity} in use)")
-        conversation = build_conversation(
-            lambda audio: SmallWebRTCTransport(webrtc_connection=connection, params=TransportParams(**audio)),
-            engines,
-            settings,
-            metrics=metrics,
+        transport = SmallWebRTCTransport(
+            webrtc_connection=connection,
+            params=TransportParams(audio_in_enabled=True, audio_out_enabled=True),
         )
-        transport = conversation.transport
+        conversation = build_conversation(transport, engines, settings, metrics=metrics)
         sessions.attach(connection.pc_id, conversation)
-
-        @transport.event_handler("on_client_connected")
-        async def on_client_connected(transport, client):
-            await conversation.greet()
 
         @transport.event_handler("on_client_disconnected")
         async def on_client_disconnected(transport, client):
