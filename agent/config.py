@@ -81,8 +81,31 @@ class Settings(BaseSettings):
     )
     tts_compile: bool = Field(False, description="torch.compile the SNAC decoder (GPU).")
 
+    greeting: str = Field(
+        "Hi! I'm your voice assistant. How can I help?",
+        description="Said when a user joins; empty for none.",
+    )
+    echo_cancellation: bool = Field(
+        False,
+        description=(
+            "Remove the agent's own voice from the microphone (WebRTC AEC3) before VAD and STT: for "
+            "speakerphones and phone lines. Off by default: browsers cancel echo themselves, and "
+            "until AEC3 has heard an echo it also mutes the first ~0.5 s of a user talking over the agent."
+        ),
+    )
+    barge_in_min_words: int = Field(
+        1, ge=1, description="Words (besides backchannels like 'mhm') that make the user's sound a barge-in."
+    )
+    barge_in_min_speech_secs: float = Field(
+        1.2, gt=0, description="Speech this long while the agent talks is a barge-in, words or not."
+    )
+    false_interruption_secs: float = Field(
+        1.5, gt=0, description="A sound that paused the agent and brought no words by then: the agent resumes."
+    )
     vad_start_secs: float = Field(
-        0.15, gt=0, description="Speech before a user turn starts (and cuts the bot off)."
+        0.1,
+        gt=0,
+        description="Speech before a user turn starts, or pauses the agent (a false start only pauses it).",
     )
     vad_stop_secs: float = Field(0.2, gt=0, description="Silence before the turn detector runs.")
     vad_min_volume: float = Field(
@@ -90,6 +113,14 @@ class Settings(BaseSettings):
         ge=0,
         le=1,
         description="Smoothed loudness speech must reach; Pipecat's 0.6 adds ~0.1 s to barge-in.",
+    )
+    turn_speculation: bool = Field(
+        True,
+        description=(
+            "When smart-turn judges a turn incomplete, start the LLM on the transcript so far while "
+            "it waits; the reply is held, then spoken if the turn ends with the same text, or "
+            "cancelled if the user speaks again."
+        ),
     )
 
     livekit_url: str | None = Field(None, description="ws(s):// URL of livekit-server; unset = peer-to-peer WebRTC.")

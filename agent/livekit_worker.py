@@ -78,14 +78,20 @@ async def run_room(
 ) -> None:
     """One conversation in one room; returns when the user leaves or the job is shut down."""
     identity = f"{settings.agent_name}-{ctx.job.id}"
-    transport = LiveKitTransport(
-        settings.livekit_url,
-        agent_token(settings, room, identity),
-        room,
-        params=LiveKitParams(audio_in_enabled=True, audio_out_enabled=True),
+    conversation = build_conversation(
+        lambda audio: LiveKitTransport(
+            settings.livekit_url, agent_token(settings, room, identity), room, params=LiveKitParams(**audio, audio_out_queue_size_ms=200)
+        ),
+        engines,
+        settings,
+        metrics=metrics,
     )
-    conversation = build_conversation(transport, engines, settings, metrics=metrics)
+    transport = conversation.transport
     sessions.attach(room, conversation)
+
+    @transport.event_handler("on_first_participant_joined")
+    async def _on_joined(_transport, _participant_id):
+        await conversation.greet()
 
     async def end(reason: str) -> None:
         logger.info(f"room {room}: {reason}")

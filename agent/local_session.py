@@ -18,13 +18,14 @@ class LocalSession:
     """
 
     def __init__(self, engines: Engines, settings: Settings, *, metrics: AgentMetrics | None = None):
-        self.transport = MemoryTransport()
-        self.conversation: Conversation = build_conversation(self.transport, engines, settings, metrics=metrics)
+        self.conversation: Conversation = build_conversation(MemoryTransport, engines, settings, metrics=metrics)
+        self.transport: MemoryTransport = self.conversation.transport
         self._task: asyncio.Task | None = None
 
     async def __aenter__(self) -> "LocalSession":
         self._task = asyncio.create_task(run_conversation(self.conversation, "local"))
         await asyncio.wait_for(self.transport.input().started.wait(), timeout=30)
+        await self.conversation.greet()  # the user "joins" as the session starts
         return self
 
     async def __aexit__(self, *exc) -> None:

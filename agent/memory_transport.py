@@ -75,9 +75,9 @@ class MemoryOutput(BaseOutputTransport):
 
 
 class MemoryTransport(BaseTransport):
-    def __init__(self, params: TransportParams | None = None):
+    def __init__(self, audio: dict | None = None):
         super().__init__()
-        self._params = params or TransportParams(audio_in_enabled=True, audio_out_enabled=True)
+        self._params = TransportParams(**(audio or {"audio_in_enabled": True, "audio_out_enabled": True}))
         self._input = MemoryInput(self._params, name="MemoryInput")
         self._output = MemoryOutput(self._params, name="MemoryOutput")
 

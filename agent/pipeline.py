@@ -1,10 +1,12 @@
 """Assembles one conversation: a transport plus the shared engines → a Pipecat pipeline worker."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from loguru import logger
 from pipecat.audio.vad.vad_analyzer import VADParams
+from pipecat.frames.frames import TTSSpeakFrame
 from pipecat.observers.base_observer import BaseObserver
 from pipecat.pipeline.pipeline import Pipeline
 from pipecat.pipeline.worker import PipelineParams, PipelineWorker
@@ -16,7 +18,6 @@ from pipecat.processors.aggregators.llm_response_universal import (
     LLMUserAggregatorParams,
 )
 from pipecat.transports.base_transport import BaseTransport
-from pipecat.turns.user_stop import TurnAnalyzerUserTurnStopStrategy
 from pipecat.turns.user_turn_strategies import UserTurnStrategies
 from pipecat.workers.runner import WorkerRunner
 
@@ -27,13 +28,22 @@ from agent.turn_metrics import TurnMetricsObserver
 if TYPE_CHECKING:
     from agent.metrics import AgentMetrics
 from frames.audio_guard import InputAudioGuard
+from frames.barge_in import BargeInPolicy, BargeInTurnStartStrategy
+from frames.echo import EchoCancellingFilter
 from frames.llm import TransformersLLMService
+from frames.playback import PlaybackGate
 from frames.stt import WhisperSTTService
 from frames.tts import LocalTTSService
 from frames.turn_models import SharedSileroVADAnalyzer, SharedSmartTurnAnalyzer
+from frames.turn_stop import SpeculativeTurnStopStrategy
+from services.echo import EchoCanceller
 
 AUDIO_IN_SAMPLE_RATE = 16000  # what Silero, smart-turn and Whisper all want
 AUDIO_OUT_SAMPLE_RATE = 24000  # Orpheus' native rate; transports resample for their codec
+
+# Builds the conversation's transport from the audio settings every transport shares (filters,
+# chunking): `lambda audio: LiveKitTransport(..., params=LiveKitParams(**audio))`.
+TransportFactory = Callable[[dict], BaseTransport]
 
 
 @dataclass
@@ -41,7 +51,10 @@ class Conversation:
     """One user's session: per-session processors around the process-wide engines."""
 
     worker: PipelineWorker
+    transport: BaseTransport
     context: LLMContext
+    playback: PlaybackGate
+    barge_in: BargeInTurnStartStrategy
     guard: InputAudioGuard
     stt: WhisperSTTService
     user_aggregator: LLMUserAggregator
@@ -49,16 +62,44 @@ class Conversation:
     tts: LocalTTSService
     assistant_aggregator: LLMAssistantAggregator
     turns: TurnMetricsObserver
+    greeting: str = ""
+
+    async def greet(self) -> None:
+        """Say the greeting (when the user joins); it goes into the context like any reply."""
+        if self.greeting:
+            await self.worker.queue_frames([TTSSpeakFrame(self.greeting)])
 
 
 def build_conversation(
-    transport: BaseTransport,
+    make_transport: TransportFactory,
     engines: Engines,
     settings: Settings,
     *,
     metrics: "AgentMetrics | None" = None,
     observers: list[BaseObserver] | None = None,
 ) -> Conversation:
+    # The echo canceller hears what the speaker plays (the output filter hands it every chunk)
+    # and removes it from the microphone (the input filter) before VAD and STT see it.
+    canceller = EchoCanceller(AUDIO_IN_SAMPLE_RATE) if settings.echo_cancellation else None
+    playback = PlaybackGate(on_played=canceller.playback if canceller else None)
+    audio = {
+        "audio_in_enabled": True,
+        "audio_out_enabled": True,
+        # A pause or an interruption takes effect at a chunk boundary: 20 ms chunks (Pipecat's
+        # default is 40) halve how long the agent can go on talking over the user.
+        "audio_out_10ms_chunks": 2,
+        "audio_out_filter": playback,
+        "audio_in_filter": EchoCancellingFilter(canceller) if canceller else None,
+    }
+    transport = make_transport(audio)
+    barge_in = BargeInTurnStartStrategy(
+        playback,
+        BargeInPolicy(
+            min_words=settings.barge_in_min_words,
+            min_speech_secs=settings.barge_in_min_speech_secs,
+            false_interruption_secs=settings.false_interruption_secs,
+        ),
+    )
     context = LLMContext()
     user_aggregator, assistant_aggregator = LLMContextAggregatorPair(
         context,
@@ -70,10 +111,17 @@ def build_conversation(
                     min_volume=settings.vad_min_volume,
                 )
             ),
-            # Pipecat's default strategies: start on VAD or transcript, stop when smart-turn
-            # v3.2 (local ONNX) judges the turn complete; its model shared by all conversations.
+            # Start: see BargeInTurnStartStrategy. Stop: when smart-turn v3.2 (local ONNX)
+            # judges the turn complete and every speech segment is transcribed; its model shared
+            # by all conversations. With `turn_speculation`, a turn it judges incomplete is
+            # answered speculatively while it waits.
             user_turn_strategies=UserTurnStrategies(
-                stop=[TurnAnalyzerUserTurnStopStrategy(turn_analyzer=SharedSmartTurnAnalyzer())]
+                start=[barge_in],
+                stop=[
+                    SpeculativeTurnStopStrategy(
+                        turn_analyzer=SharedSmartTurnAnalyzer(), speculate=settings.turn_speculation
+                    )
+                ]
             ),
         ),
     )
@@ -94,6 +142,7 @@ def build_conversation(
             user_aggregator,
             llm,
             tts,
+            playback.processor,
             transport.output(),
             assistant_aggregator,
         ]
@@ -113,7 +162,10 @@ def build_conversation(
     )
     return Conversation(
         worker=worker,
+        transport=transport,
         context=context,
+        playback=playback,
+        barge_in=barge_in,
         guard=guard,
         stt=stt,
         user_aggregator=user_aggregator,
@@ -121,6 +173,7 @@ def build_conversation(
         tts=tts,
         assistant_aggregator=assistant_aggregator,
         turns=turns,
+        greeting=settings.greeting,
     )
 
 

@@ -178,12 +178,18 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
     def start_session(connection: SmallWebRTCConnection, engines: Engines) -> None:
         if not sessions.reserve(connection.pc_id):
             raise RuntimeError(f"no free session slot ({sessions.capacity} in use)")
-        transport = SmallWebRTCTransport(
-            webrtc_connection=connection,
-            params=TransportParams(audio_in_enabled=True, audio_out_enabled=True),
+        conversation = build_conversation(
+            lambda audio: SmallWebRTCTransport(webrtc_connection=connection, params=TransportParams(**audio)),
+            engines,
+            settings,
+            metrics=metrics,
         )
-        conversation = build_conversation(transport, engines, settings, metrics=metrics)
+        transport = conversation.transport
         sessions.attach(connection.pc_id, conversation)
+
+        @transport.event_handler("on_client_connected")
+        async def on_client_connected(transport, client):
+            await conversation.greet()
 
         @transport.event_handler("on_client_disconnected")
         async def on_client_disconnected(transport, client):

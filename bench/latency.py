@@ -187,7 +187,7 @@ async def run_session(index, engines, settings, questions, audio):
 
 
 async def main(args):
-    settings = Settings()
+    settings = Settings(greeting="")  # timing starts with the user's first words
     out = args.out or Path(__file__).parent / "results" / f"latency-{settings.profile}.json"
     print(f"loading engines ({settings.profile} profile) ...", flush=True)
     started = time.perf_counter()

@@ -159,7 +159,7 @@ async def converse(caller: LiveKitCaller, conversation, questions, audio, label:
 
 
 async def main(args):
-    settings = Settings()
+    settings = Settings(greeting="")  # timing starts with the user's first words
     out = args.out or Path(__file__).parent / "results" / f"livekit-latency-{settings.profile}.json"
     log_dir = Path(tempfile.mkdtemp(prefix="livekit-bench-"))
     print(f"loading engines ({settings.profile} profile) ...", flush=True)

@@ -243,7 +243,8 @@ def plot(steps: list[dict], target: float, title: str, path: Path) -> None:
 async def main(args):
     settings = settings_from(args, "profile")
     # Every step's callers must fit in one process: none may be refused.
-    settings = settings.model_copy(update={"max_sessions": max(settings.max_sessions, args.ramp[-1])})
+    # No greeting: timing starts with the user's first words.
+    settings = settings.model_copy(update={"max_sessions": max(settings.max_sessions, args.ramp[-1]), "greeting": ""})
     target = args.target_p95 or TARGET_P95_SECS[settings.profile]
     mode = "in-process" if args.in_process else "livekit"
     stem = f"load-in-process-{settings.profile}" if args.in_process else f"load-{settings.profile}"

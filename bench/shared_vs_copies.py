@@ -134,7 +134,7 @@ def print_comparison(rows: list[tuple]) -> None:
 
 async def main(args):
     # Greedy, so both sides should generate the same text.
-    settings = Settings(profile="cpu", device="cpu", llm_temperature=0.0)
+    settings = Settings(profile="cpu", device="cpu", llm_temperature=0.0, greeting="")
     out = args.out or Path(__file__).parent / "results" / "shared-vs-copies-cpu.json"
     started = time.perf_counter()
     baseline = process_memory_mb()

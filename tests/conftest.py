@@ -16,7 +16,9 @@ from tests.speech import speak_16k
 def settings() -> Settings:
     # The default cache dir keeps the GGUF → HF conversion across runs. Replies are capped
     # shorter than the default: waiting for 96 tokens of speech per turn only slows the suite.
-    return Settings(_env_file=None, llm_max_new_tokens=48)
+    # No greeting: these tests time the user's first words from the start; tests/scenarios/
+    # turns it on where the greeting is what is tested.
+    return Settings(_env_file=None, llm_max_new_tokens=48, greeting="")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,138 @@
+"""When the user's sound starts a turn: at once while the bot is quiet; while it talks, only for real words."""
+
+import asyncio
+import re
+from dataclasses import dataclass
+
+from loguru import logger
+from pipecat.frames.frames import (
+    BotStartedSpeakingFrame,
+    BotStoppedSpeakingFrame,
+    Frame,
+    InterimTranscriptionFrame,
+    TranscriptionFrame,
+    VADUserStartedSpeakingFrame,
+    VADUserStoppedSpeakingFrame,
+)
+from pipecat.turns.types import ProcessFrameResult
+from pipecat.turns.user_start.base_user_turn_start_strategy import BaseUserTurnStartStrategy
+
+from frames.playback import PlaybackGate
+
+# Sounds a listener makes without taking the turn. Whisper also writes "you" and "thank you" for
+# breath, clicks and echo residue it cannot place, so those are not a barge-in either.
+BACKCHANNEL_WORDS = frozenset(
+    "mhm mm mmm hmm hm uh huh um umm ah oh yeah yes yep yup okay ok right sure alright cool "
+    "nice wow i see got it you thank thanks".split()
+)
+
+
+@dataclass
+class BargeInPolicy:
+    min_words: int = 1  # words beyond backchannels that make a sound a barge-in
+    min_speech_secs: float = 1.2  # speech this long is a barge-in before any transcript exists
+    false_interruption_secs: float = 1.5  # no real words by then: the bot resumes where it paused
+
+
+HUMS = re.compile(r"^(?:[mhn]+|u+h+m*|u+m+)$")  # "mmm", "mhm", "hmmm", "uhm": Whisper spells hums many ways
+
+
+def real_words(text: str) -> list[str]:
+    words = re.sub(r"[^a-z' ]+", " ", text.lower().replace("-", " ")).split()
+    return [w for w in words if w not in BACKCHANNEL_WORDS and not HUMS.match(w)]
+
+
+class BargeInTurnStartStrategy(BaseUserTurnStartStrategy):
+    """Replaces Pipecat's VAD + transcription start strategies.
+
+    While the bot is quiet, voice activity starts the turn at once, as Pipecat's VAD strategy
+    does. While it talks, voice activity only pauses it (within one audio chunk, so "stop"
+    is obeyed in well under 300 ms) and the sound is judged:
+    - a transcript with `min_words` real words, or speech lasting `min_speech_secs`, starts
+      the turn: Pipecat interrupts the reply and the held audio is dropped;
+    - a backchannel ("mhm", "okay"), a cough, or silence for `false_interruption_secs`
+      resumes the reply from the exact sample where it paused, and the sound's transcript
+      is dropped from the user's aggregation.
+    Pausing rather than stopping is what lets one policy stop fast and never lose a reply
+    to noise; Pipecat's MinWords strategy must wait for Whisper before the bot stops.
+    """
+
+    def __init__(self, gate: PlaybackGate, policy: BargeInPolicy | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self._gate = gate
+        self._policy = policy or BargeInPolicy()
+        self._bot_speaking = False
+        self._user_speaking = False
+        self._judging: asyncio.Task | None = None
+        self.false_interruptions = 0  # sounds that paused the bot and were let go
+
+    async def handle_user_turn_started(self):
+        self._bot_speaking = False
+        await self._stop_judging()
+
+    async def cleanup(self):
+        await self._stop_judging()
+        await super().cleanup()
+
+    async def process_frame(self, frame: Frame) -> ProcessFrameResult:
+        if isinstance(frame, BotStartedSpeakingFrame):
+            self._bot_speaking = True
+        elif isinstance(frame, BotStoppedSpeakingFrame):
+            self._bot_speaking = False
+        elif isinstance(frame, VADUserStartedSpeakingFrame):
+            self._user_speaking = True
+            if not self._bot_speaking:
+                await self.trigger_user_turn_started()
+                return ProcessFrameResult.STOP
+            self._gate.pause()
+            if self._judging is None:
+                self._judging = self.create_task(self._judge_by_time(), "judge_barge_in")
+        elif isinstance(frame, VADUserStoppedSpeakingFrame):
+            self._user_speaking = False
+        elif isinstance(frame, (TranscriptionFrame, InterimTranscriptionFrame)):
+            return await self._judge_transcript(frame.text)
+        return ProcessFrameResult.CONTINUE
+
+    async def _judge_transcript(self, text: str) -> ProcessFrameResult:
+        if not self._bot_speaking:
+            # Words without a VAD turn (very soft speech): Pipecat's transcription strategy does the same.
+            await self.trigger_user_turn_started()
+            return ProcessFrameResult.STOP
+        words = real_words(text)
+        if len(words) >= self._policy.min_words:
+            logger.debug(f"{self}: barge-in on [{text}]")
+            await self._barge_in()
+            return ProcessFrameResult.STOP
+        logger.debug(f"{self}: [{text}] is not a barge-in; the bot goes on")
+        await self.trigger_reset_aggregation()
+        if not self._user_speaking:
+            await self._let_go()
+        return ProcessFrameResult.CONTINUE
+
+    async def _judge_by_time(self):
+        """Long speech is a barge-in; a pause that brings no words by the deadline is let go."""
+        policy = self._policy
+        await asyncio.sleep(policy.min_speech_secs)
+        if self._user_speaking:
+            self._judging = None  # _barge_in must not cancel the task running it
+            await self._barge_in()
+            return
+        await asyncio.sleep(max(0.0, policy.false_interruption_secs - policy.min_speech_secs))
+        self._judging = None
+        if self._gate.paused and not self._user_speaking:
+            await self._let_go()
+
+    async def _barge_in(self):
+        await self._stop_judging()
+        await self.trigger_user_turn_started()
+
+    async def _let_go(self):
+        await self._stop_judging()
+        if self._gate.paused:
+            self.false_interruptions += 1
+            self._gate.resume()
+
+    async def _stop_judging(self):
+        if self._judging is not None:
+            task, self._judging = self._judging, None
+            await self.task_manager.cancel_task(task)

@@ -1,0 +1,96 @@
+"""Pausable bot playback: holds the agent's audio while a possible barge-in is judged, then resumes or drops it."""
+
+import asyncio
+from collections.abc import Callable
+from enum import Enum
+
+from pipecat.audio.filters.base_audio_filter import BaseAudioFilter
+from pipecat.frames.frames import Frame, FilterControlFrame, InterruptionFrame, TTSStartedFrame
+from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
+
+
+class PlaybackState(Enum):
+    PLAYING = "playing"
+    PAUSED = "paused"  # a sound may be a barge-in: hold the audio, lose none of it
+    DROPPING = "dropping"  # the barge-in was real: what was queued for the old reply is discarded
+
+
+class PlaybackGate(BaseAudioFilter):
+    """The output transport's audio filter; it can pause the bot mid-word and resume it losing nothing.
+
+    Why a filter: Pipecat's output transport calls its filter on each chunk just before writing
+    it, from the task that paces playback, so awaiting here stops the speaker within one chunk
+    while the rest of the reply waits, in order, in the transport's queue. An InterruptionFrame
+    alone could only throw that audio away. Every chunk that passes is handed to `on_played`
+    (the echo canceller's reference signal).
+
+    The gate's frame processor (`gate.processor`) sits just before the output transport:
+    an InterruptionFrame switches the gate to DROPPING (so the chunk held during a pause and any
+    chunk dequeued before the transport's queue reset is silenced), and the next reply's
+    TTSStartedFrame switches it back to PLAYING.
+    """
+
+    def __init__(self, on_played: Callable[[bytes, int], None] | None = None):
+        self.state = PlaybackState.PLAYING
+        self.pauses = 0  # pauses that ended in a resume (false interruptions), for tests and metrics
+        self.resumes = 0
+        self.sample_rate = 0
+        self._on_played = on_played
+        self._released = asyncio.Event()
+        self._released.set()
+        self.processor = PlaybackGateProcessor(self)
+
+    async def start(self, sample_rate: int):
+        self.sample_rate = sample_rate
+
+    async def stop(self):
+        self._set(PlaybackState.DROPPING)  # never leave the transport's audio task waiting on us
+
+    async def process_frame(self, frame: FilterControlFrame):
+        pass
+
+    async def filter(self, audio: bytes) -> bytes:
+        await self._released.wait()
+        if self.state is PlaybackState.DROPPING:
+            return b""  # the transport skips empty chunks
+        if self._on_played is not None:
+            self._on_played(audio, self.sample_rate)
+        return audio
+
+    @property
+    def paused(self) -> bool:
+        return self.state is PlaybackState.PAUSED
+
+    def pause(self) -> None:
+        if self.state is PlaybackState.PLAYING:
+            self.pauses += 1
+            self._set(PlaybackState.PAUSED)
+
+    def resume(self) -> None:
+        if self.state is PlaybackState.PAUSED:
+            self.resumes += 1
+            self._set(PlaybackState.PLAYING)
+
+    def _set(self, state: PlaybackState) -> None:
+        self.state = state
+        if state is PlaybackState.PAUSED:
+            self._released.clear()
+        else:
+            self._released.set()
+
+
+class PlaybackGateProcessor(FrameProcessor):
+    """Tells the gate where one reply ends (interruption) and the next begins (TTS started)."""
+
+    def __init__(self, gate: PlaybackGate, **kwargs):
+        super().__init__(**kwargs)
+        self._gate = gate
+
+    async def process_frame(self, frame: Frame, direction: FrameDirection):
+        await super().process_frame(frame, direction)
+        if direction is FrameDirection.DOWNSTREAM:
+            if isinstance(frame, InterruptionFrame):
+                self._gate._set(PlaybackState.DROPPING)
+            elif isinstance(frame, TTSStartedFrame) and self._gate.state is PlaybackState.DROPPING:
+                self._gate._set(PlaybackState.PLAYING)
+        await self.push_frame(frame, direction)

@@ -1,0 +1,111 @@
+"""Smart-turn end of turn that waits for every segment's transcript and answers pauses speculatively."""
+
+import time
+
+from loguru import logger
+from pipecat.frames.frames import (
+    Frame,
+    TranscriptionFrame,
+    VADUserStartedSpeakingFrame,
+    VADUserStoppedSpeakingFrame,
+)
+from pipecat.turns.types import ProcessFrameResult, UserTurnSpeculation
+from pipecat.turns.user_stop import NormalizedMatch, TurnAnalyzerUserTurnStopStrategy
+from pipecat.utils.string import TextPartForConcatenation, concatenate_aggregated_text
+
+# Longest wait for one speech segment's transcript (Whisper's p99 is ~0.9 s on 2 busy cores).
+# A segment Whisper hears no words in never gets one; after this the turn goes on without it.
+TRANSCRIPT_WAIT_SECS = 2.0
+
+
+class SpeculativeTurnStopStrategy(TurnAnalyzerUserTurnStopStrategy):
+    """Pipecat's smart-turn stop strategy, answering a turn speculatively while smart-turn waits.
+
+    When smart-turn finds the turn incomplete at the VAD stop, Pipecat waits for more speech or
+    for smart-turn's silence timeout (3 s) before the LLM runs. Here, as soon as the transcript
+    of the speech so far is in hand, the LLM starts on it speculatively: the user aggregator runs
+    it on a provisional context and the LLM service's SpeculationGate holds the reply. If the
+    user speaks again, or the turn ends some other way, the speculation is withdrawn (the LLM
+    service cancels the request); if the turn then completes with the same text, finalizing
+    with `confirms_speculation` releases the held reply instead of starting a new one.
+
+    The segmented STT transcribes each VAD segment after its stop, so when the user pauses
+    briefly the first segment's transcript can arrive after the second segment has begun.
+    Pipecat's strategy then ends the turn at its STT timeout with that earlier transcript in
+    hand, and the last words start a turn of their own (two replies, the first to half the
+    question). Here the turn, and a speculation, wait for every segment's transcript.
+    """
+
+    def __init__(self, *, speculate: bool = True, **kwargs):
+        super().__init__(**kwargs)
+        self._speculate = speculate
+        self._match = NormalizedMatch()
+        # This turn's transcripts, joined as the user aggregator joins them into the user message
+        # (the base class keeps only the latest one).
+        self._parts: list[TextPartForConcatenation] = []
+        self._untranscribed: list[float] = []  # VAD-stop times of segments still owed a transcript
+        self._stop_held = False  # the turn was complete but a transcript was still on its way
+        self._speculation: UserTurnSpeculation | None = None
+
+    async def process_frame(self, frame: Frame) -> ProcessFrameResult:
+        if isinstance(frame, VADUserStartedSpeakingFrame):
+            # Before the base class reacts: the reply answers less than the user is saying.
+            await self._withdraw("the user spoke again")
+        elif isinstance(frame, VADUserStoppedSpeakingFrame):
+            self._untranscribed.append(time.monotonic())
+        elif isinstance(frame, TranscriptionFrame) and frame.text.strip():
+            self._parts.append(TextPartForConcatenation(frame.text, frame.includes_inter_frame_spaces))
+            self._untranscribed = self._untranscribed[1:]  # transcripts come in segment order
+        result = await super().process_frame(frame)
+        if self._stop_held and not self._awaiting_transcript():  # it never came
+            await self._maybe_trigger_user_turn_stopped()
+        if (
+            self._speculate
+            and self._speculation is None
+            and self._vad_stopped
+            and not self._vad_user_speaking
+            and not self._turn_complete  # a complete turn runs the LLM at once, as before
+            and self._transcript_finalized
+            and self._parts
+            and not self._awaiting_transcript()
+        ):
+            self._speculation = UserTurnSpeculation(text=concatenate_aggregated_text(self._parts))
+            logger.debug(f"{self}: turn incomplete, answering [{self._speculation.text}] speculatively")
+            await self.trigger_user_turn_inference_triggered(speculation=self._speculation)
+        return result
+
+    async def _maybe_trigger_user_turn_stopped(self):
+        self._stop_held = self._turn_complete and self._awaiting_transcript()
+        if not self._stop_held:
+            await super()._maybe_trigger_user_turn_stopped()
+
+    async def trigger_user_turn_stopped(self, *, enable_user_speaking_frames: bool | None = None):
+        speculation, self._speculation = self._speculation, None
+        if speculation and self._match.matches(speculation.text, concatenate_aggregated_text(self._parts)):
+            # The reply to this text is generated (or generating) already: release it, don't rerun.
+            await self.trigger_user_turn_finalized(
+                enable_user_speaking_frames=enable_user_speaking_frames, confirms_speculation=True
+            )
+            return
+        if speculation:
+            logger.debug(f"{self}: the turn's text changed since the speculation, answering it anew")
+            await self.trigger_user_turn_speculation_cancelled()
+        await super().trigger_user_turn_stopped(enable_user_speaking_frames=enable_user_speaking_frames)
+
+    async def _reset(self):
+        # Runs at both turn boundaries; a speculation still open here (stop watchdog,
+        # interruption, session end) would otherwise be held by the gate for good.
+        await self._withdraw("the turn ended unresolved")
+        self._parts, self._untranscribed, self._stop_held = [], [], False
+        await super()._reset()
+
+    def _awaiting_transcript(self) -> bool:
+        now = time.monotonic()
+        self._untranscribed = [t for t in self._untranscribed if now - t < TRANSCRIPT_WAIT_SECS]
+        return bool(self._untranscribed)
+
+    async def _withdraw(self, reason: str):
+        if self._speculation is not None:
+            logger.debug(f"{self}: withdrawing the speculative reply ({reason})")
+            self._speculation = None
+            await self.trigger_user_turn_speculation_cancelled()
