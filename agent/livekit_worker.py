@@ -80,7 +80,12 @@ async def run_room(
     identity = f"{settings.agent_name}-{ctx.job.id}"
     conversation = build_conversation(
         lambda audio: LiveKitTransport(
-            settings.livekit_url, agent_token(settings, room, identity), room, params=LiveKitParams(**audio, audio_out_queue_size_ms=200)
+            settings.livekit_url,
+            agent_token(settings, room, identity),
+            room,
+            # LiveKit's AudioSource buffers audio of its own (Pipecat's default: 1 s), which a pause
+            # cannot reach (an interruption clears it); 200 ms bounds how long the agent talks on.
+            params=LiveKitParams(**audio, audio_out_queue_size_ms=200),
         ),
         engines,
         settings,

@@ -144,6 +144,7 @@ def build_conversation(
             tts,
             playback.processor,
             transport.output(),
+            playback.played_text,
             assistant_aggregator,
         ]
     )

@@ -5,7 +5,7 @@ from collections.abc import Callable
 from enum import Enum
 
 from pipecat.audio.filters.base_audio_filter import BaseAudioFilter
-from pipecat.frames.frames import Frame, FilterControlFrame, InterruptionFrame, TTSStartedFrame
+from pipecat.frames.frames import Frame, FilterControlFrame, InterruptionFrame, SystemFrame, TTSStartedFrame
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 
 
@@ -27,7 +27,7 @@ class PlaybackGate(BaseAudioFilter):
     The gate's frame processor (`gate.processor`) sits just before the output transport:
     an InterruptionFrame switches the gate to DROPPING (so the chunk held during a pause and any
     chunk dequeued before the transport's queue reset is silenced), and the next reply's
-    TTSStartedFrame switches it back to PLAYING.
+    TTSStartedFrame switches it back to PLAYING. `gate.played_text` sits just after it.
     """
 
     def __init__(self, on_played: Callable[[bytes, int], None] | None = None):
@@ -39,6 +39,7 @@ class PlaybackGate(BaseAudioFilter):
         self._released = asyncio.Event()
         self._released.set()
         self.processor = PlaybackGateProcessor(self)
+        self.played_text = PlayedTextGate(self)
 
     async def start(self, sample_rate: int):
         self.sample_rate = sample_rate
@@ -93,4 +94,32 @@ class PlaybackGateProcessor(FrameProcessor):
                 self._gate._set(PlaybackState.DROPPING)
             elif isinstance(frame, TTSStartedFrame) and self._gate.state is PlaybackState.DROPPING:
                 self._gate._set(PlaybackState.PLAYING)
+        await self.push_frame(frame, direction)
+
+
+class PlayedTextGate(FrameProcessor):
+    """Holds the reply's words on their way to the context while the gate is paused.
+
+    The transport releases word frames by the clock, not by the audio, so without this a pause
+    that ends in a barge-in would put the words of the paused stretch into the context although
+    nobody heard them. Held frames go on, in order, once playback resumes; an interruption drops them.
+    """
+
+    def __init__(self, gate: PlaybackGate, **kwargs):
+        super().__init__(**kwargs)
+        self._gate = gate
+        self._held: list[Frame] = []
+
+    async def process_frame(self, frame: Frame, direction: FrameDirection):
+        await super().process_frame(frame, direction)
+        if direction is FrameDirection.DOWNSTREAM:
+            if isinstance(frame, InterruptionFrame):
+                self._held.clear()
+            elif not isinstance(frame, SystemFrame):
+                if self._gate.paused:
+                    self._held.append(frame)
+                    return
+                held, self._held = self._held, []
+                for earlier in held:
+                    await self.push_frame(earlier, direction)
         await self.push_frame(frame, direction)
