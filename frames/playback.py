@@ -32,8 +32,7 @@ class PlaybackGate(BaseAudioFilter):
 
     def __init__(self, on_played: Callable[[bytes, int], None] | None = None):
         self.state = PlaybackState.PLAYING
-        self.pauses = 0  # pauses that ended in a resume (false interruptions), for tests and metrics
-        self.resumes = 0
+        self.pauses = 0  # times a sound paused the agent, for tests
         self.sample_rate = 0
         self._on_played = on_played
         self._released = asyncio.Event()
@@ -45,7 +44,7 @@ class PlaybackGate(BaseAudioFilter):
         self.sample_rate = sample_rate
 
     async def stop(self):
-        self._set(PlaybackState.DROPPING)  # never leave the transport's audio task waiting on us
+        self.drop()  # never leave the transport's audio task waiting on us
 
     async def process_frame(self, frame: FilterControlFrame):
         pass
@@ -69,7 +68,14 @@ class PlaybackGate(BaseAudioFilter):
 
     def resume(self) -> None:
         if self.state is PlaybackState.PAUSED:
-            self.resumes += 1
+            self._set(PlaybackState.PLAYING)
+
+    def drop(self) -> None:
+        """The reply was interrupted: silence whatever of it the transport still hands us."""
+        self._set(PlaybackState.DROPPING)
+
+    def play_next_reply(self) -> None:
+        if self.state is PlaybackState.DROPPING:
             self._set(PlaybackState.PLAYING)
 
     def _set(self, state: PlaybackState) -> None:
@@ -91,9 +97,9 @@ class PlaybackGateProcessor(FrameProcessor):
         await super().process_frame(frame, direction)
         if direction is FrameDirection.DOWNSTREAM:
             if isinstance(frame, InterruptionFrame):
-                self._gate._set(PlaybackState.DROPPING)
-            elif isinstance(frame, TTSStartedFrame) and self._gate.state is PlaybackState.DROPPING:
-                self._gate._set(PlaybackState.PLAYING)
+                self._gate.drop()
+            elif isinstance(frame, TTSStartedFrame):
+                self._gate.play_next_reply()
         await self.push_frame(frame, direction)
 
 
