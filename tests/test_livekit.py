@@ -104,7 +104,9 @@ async def test_two_rooms_at_once_share_the_engines(live_agent, engines, say):
         assert conversation_a.llm._engine is conversation_b.llm._engine is engines.llm
         await asyncio.gather(
             ask(live_agent, a, room_a, say, "How many legs does a spider have?", engines),
-            ask(live_agent, b, room_b, say, "What is the weather like in Paris today?", engines),
+            # Not "What is the weather like in Paris today?": through Opus, tiny.en has heard
+            # "...weather I can pair us today"; this test is about sharing, not Whisper's ear.
+            ask(live_agent, b, room_b, say, "What is the tallest mountain in the world?", engines),
         )
     finally:
         await asyncio.gather(a.leave(), b.leave())
