@@ -77,6 +77,10 @@ class BargeInTurnStartStrategy(BaseUserTurnStartStrategy):
     async def process_frame(self, frame: Frame) -> ProcessFrameResult:
         if isinstance(frame, BotStartedSpeakingFrame):
             self._bot_speaking = True
+            if self._user_speaking:
+                # A reply to an earlier pause, starting while the user is talking again: the same
+                # judgement as a sound over the bot, so it never talks over the user.
+                self._listen()
         elif isinstance(frame, BotStoppedSpeakingFrame):
             self._bot_speaking = False
         elif isinstance(frame, VADUserStartedSpeakingFrame):
@@ -84,14 +88,18 @@ class BargeInTurnStartStrategy(BaseUserTurnStartStrategy):
             if not self._bot_speaking:
                 await self.trigger_user_turn_started()
                 return ProcessFrameResult.STOP
-            self._gate.pause()
-            if self._judging is None:
-                self._judging = self.create_task(self._judge_by_time(), "judge_barge_in")
+            self._listen()
         elif isinstance(frame, VADUserStoppedSpeakingFrame):
             self._user_speaking = False
         elif isinstance(frame, (TranscriptionFrame, InterimTranscriptionFrame)):
             return await self._judge_transcript(frame.text)
         return ProcessFrameResult.CONTINUE
+
+    def _listen(self):
+        """Pause the bot and judge the user's sound."""
+        self._gate.pause()
+        if self._judging is None:
+            self._judging = self.create_task(self._judge_by_time(), "judge_barge_in")
 
     async def _judge_transcript(self, text: str) -> ProcessFrameResult:
         if not self._bot_speaking:

@@ -89,7 +89,11 @@ async def test_two_conversations_share_one_copy_of_each_model(engines, settings,
         assert session.conversation.stt._engine is engines.stt
         assert session.conversation.llm._engine is engines.llm
         assert session.conversation.tts._engine is engines.tts
-    assert engines.llm.stats.started - started == 4
+    # Every request went to the one shared engine: at least one per turn, more when a pause
+    # was answered speculatively and the speculation was withdrawn.
+    requests = len(a.conversation.llm.prompts) + len(b.conversation.llm.prompts)
+    assert requests >= 4
+    assert engines.llm.stats.started - started == requests
     assert user_messages(a) != user_messages(b)
 
 
