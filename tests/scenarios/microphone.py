@@ -12,6 +12,10 @@ from agent.local_session import LocalSession
 RATE = 16000
 STEP = RATE // 50  # 20 ms, like a browser's microphone
 BOT_RATE = 24000
+# A play() that starts this late was a deliberate break (the test stopped feeding the call): the
+# microphone restarts there. Anything less late, the loop was busy: the frames catch up, as a
+# network's buffered frames do, and stay contiguous with the ones before.
+MAX_LATE = 0.5
 
 
 def pcm(audio: np.ndarray) -> bytes:
@@ -50,20 +54,27 @@ class Microphone:
         # every boundary, a distortion no echo canceller (or loudspeaker) would produce.
         self._resampler = soxr.ResampleStream(BOT_RATE, RATE, 1, dtype="float32", quality="QQ")
         self._write_at = 0
+        self._read_at: int | None = None  # where on the speaker timeline the microphone hears next
+        # One clock across play() calls, as a sound card has: frames a caller sends back to back stay
+        # contiguous in time, so the echo canceller sees the same steady stream a real call gives it.
+        self._due: float | None = None  # monotonic time the next frame is due
 
     async def play(self, audio: np.ndarray | bytes) -> tuple[float, float]:
         """Plays `audio` (16 kHz) into the call; returns its (start, end) on the pipeline clock."""
         audio = samples(audio) if isinstance(audio, bytes) else audio
         start = self.session.now()
-        began = time.monotonic()
-        for i, offset in enumerate(range(0, audio.size, STEP)):
+        if self._due is None or time.monotonic() - self._due > MAX_LATE:
+            self._due = time.monotonic()
+            self._read_at = None
+        for offset in range(0, audio.size, STEP):
             frame = np.zeros(STEP, dtype=np.float32)
             piece = audio[offset : offset + STEP]
             frame[: piece.size] = piece
             if self.echo_gain is not None:
                 frame += self.echo_gain * self._echo(self.session.now() - self.echo_delay)
             await self.session.send(InputAudioRawFrame(audio=pcm(frame), sample_rate=RATE, num_channels=1))
-            await asyncio.sleep(max(0.0, began + (i + 1) * STEP / RATE - time.monotonic()))
+            self._due += STEP / RATE
+            await asyncio.sleep(max(0.0, self._due - time.monotonic()))
         return start, self.session.now()
 
     async def silence(self, seconds: float) -> None:
@@ -81,6 +92,10 @@ class Microphone:
                 self._speaker = np.pad(self._speaker, (0, begin + audio.size - self._speaker.size + RATE))
             self._speaker[begin : begin + audio.size] = audio
         self._placed = len(played)
-        begin = int(at * RATE)
+        # A microphone samples on its own steady clock: consecutive frames hear consecutive audio,
+        # even when this loop wakes late and sends a few frames at once.
+        if self._read_at is None:
+            self._read_at = int(at * RATE)
+        begin, self._read_at = self._read_at, self._read_at + STEP
         window = self._speaker[max(begin, 0) : begin + STEP]
         return np.pad(window, (0, STEP - window.size))

@@ -101,8 +101,10 @@ async def start_long_reply(mic: Microphone, say) -> float:
 async def check_reply_goes_on(session: LocalSession, engines, say, sound: np.ndarray, name: str):
     """Play `sound` over the agent's story: the story must go on to its end, whole, in the context."""
     mic = Microphone(session)
-    cancelled = engines.llm.stats.cancelled
     started = await start_long_reply(mic, say)
+    # Counted from here: smart-turn sometimes finds the question unfinished, and the stop watchdog
+    # then withdraws the speculative reply (a cancellation that has nothing to do with the sound).
+    cancelled = engines.llm.stats.cancelled
     sound_at, _ = await mic.play(sound)
     await mic.silence(2.0)
     resumed = [s for s in spans(session, sound_at) if s[0] > sound_at]
@@ -177,11 +179,6 @@ async def test_5_stop_and_a_new_question_stops_the_agent_fast(engines, long_repl
     assert "berlin" in normalize(assistant_messages(session)[-1])
 
 
-@pytest.mark.skip(
-    reason="open (issue 7): in the pipeline AEC3 leaves enough echo residue in a reply's first seconds "
-    "for Silero to fire and Whisper to hear words ('Okay, that was a great night answer'), so the agent "
-    "pauses itself; the canceller alone measures 30 dB (tests/test_echo.py)"
-)
 async def test_6_its_own_echo_does_not_interrupt_the_agent(engines, speakerphone, say):
     async with LocalSession(engines, speakerphone) as session:
         mic = Microphone(session, echo_db=-6.0, echo_delay=0.06)
@@ -212,9 +209,10 @@ async def test_7_a_real_interruption_over_the_echo_still_stops_it(engines, speak
     stopped = stop_delay(session, user_onset)
     FIGURES["7 echo + stop"] = {"stopped_after_s": stopped}
     assert stopped <= STOP_WITHIN, f"agent audio went on {stopped:.2f}s after the user cut in"
-    # Not checked: the words (AEC3 mutes the start of double talk; Whisper once heard "Click out"),
-    # nor that no turn follows: the echo of the answer can still make one, as in scenario 6.
-    assert len(user_messages(session)) >= 2, user_messages(session)
+    # One new turn, the question (AEC3 mutes the first ~0.5 s of double talk, so "Stop" may be lost),
+    # and the answer's own echo did not start another.
+    assert len(user_messages(session)) == 2, user_messages(session)
+    assert "italy" in normalize(user_messages(session)[-1]), user_messages(session)
 
 
 async def test_8_after_a_false_interruption_the_agent_resumes(engines, long_replies, say):
