@@ -69,7 +69,29 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--max-sessions", type=int, help="rooms taken before refusing (default: $MAX_SESSIONS or 8)")
     add_log_level(worker)
     worker.set_defaults(run=worker_command)
+
+    download = commands.add_parser(
+        "download",
+        help="download the configured profile's hub models now (Docker builds bake them in this way)",
+        description=(
+            "Fetch every model the settings load from the Hugging Face hub into its cache (HF_HOME), "
+            "so the agent starts without downloading. Bundled models and local paths are skipped."
+        ),
+    )
+    download.set_defaults(run=download_command)
     return parser
+
+
+def download_command(args: argparse.Namespace) -> None:
+    from agent.config import Settings
+    from agent.download import download_models, hub_models
+
+    settings = Settings()
+    if not hub_models(settings):
+        print(f"the {settings.profile} profile's models are bundled or local: nothing to download")
+        return
+    for path in download_models(settings):
+        print(f"  -> {path}")
 
 
 def dev_command(args: argparse.Namespace) -> None:

