@@ -3,6 +3,7 @@
 import argparse
 import asyncio
 import sys
+from pathlib import Path
 
 from loguru import logger
 
@@ -79,7 +80,39 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     download.set_defaults(run=download_command)
+
+    client = commands.add_parser(
+        "client",
+        help="talk to a running agent over its /ws WebSocket: microphone and speaker, or WAV files",
+        description=(
+            "Connect to URL (ws://HOST:PORT/ws) once and talk: from the microphone to the speaker "
+            "(needs the sounddevice package), or, with --input, say each WAV file as one turn and "
+            "wait for the agent's reply before the next; --output saves the replies' audio."
+        ),
+    )
+    client.add_argument("url", help="the agent's WebSocket, e.g. ws://127.0.0.1:7860/ws")
+    client.add_argument("--input", type=Path, action="append", help="a WAV file to say (repeat for more turns)")
+    client.add_argument("--output", type=Path, help="WAV file for the agent's replies (24 kHz)")
+    client.add_argument("--api-key", help="the agent's API_KEY, when it has one (default: $API_KEY)")
+    client.set_defaults(run=client_command)
     return parser
+
+
+def client_command(args: argparse.Namespace) -> None:
+    import os
+
+    from agent.ws_client import talk_from_files, talk_from_microphone
+
+    api_key = args.api_key or os.environ.get("API_KEY")
+    if args.input:
+        asyncio.run(talk_from_files(args.url, args.input, args.output, api_key))
+    elif args.output:
+        sys.exit("--output needs --input (in microphone mode the replies play on the speaker)")
+    else:
+        try:
+            asyncio.run(talk_from_microphone(args.url, api_key))
+        except KeyboardInterrupt:
+            pass
 
 
 def download_command(args: argparse.Namespace) -> None:

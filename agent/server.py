@@ -7,7 +7,7 @@ from contextlib import asynccontextmanager
 from datetime import timedelta
 from pathlib import Path
 
-from fastapi import FastAPI, Header, HTTPException
+from fastapi import FastAPI, Header, HTTPException, WebSocket
 from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from loguru import logger
@@ -19,6 +19,7 @@ from pipecat.transports.smallwebrtc.request_handler import (
     SmallWebRTCRequestHandler,
 )
 from pipecat.transports.smallwebrtc.transport import SmallWebRTCTransport
+from pipecat.transports.websocket.fastapi import FastAPIWebsocketParams, FastAPIWebsocketTransport
 from pipecat_ai_prebuilt.frontend import PipecatPrebuiltUI
 
 from agent.config import Settings
@@ -26,6 +27,7 @@ from agent.engines import Engines, load_engines_warm
 from agent.metrics import CONTENT_TYPE_LATEST, AgentMetrics
 from agent.pipeline import build_conversation, run_conversation
 from agent.sessions import SessionRegistry, session_capacity
+from frames.websocket import PCMJsonSerializer
 
 RETRY_AFTER_SECS = 5
 WEB_DIR = Path(__file__).resolve().parent.parent / "web"  # the browser demo; its dist/ is committed
@@ -200,6 +202,47 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
         peer_tasks.add(task)
         task.add_done_callback(peer_tasks.discard)
         task.add_done_callback(lambda _: sessions.release(connection.pc_id))
+
+    @app.websocket("/ws")
+    async def websocket_session(websocket: WebSocket, authorization: str | None = Header(None)):
+        """A conversation over one plain WebSocket, for hosts that expose only HTTP (protocol:
+        frames/websocket.py). It lasts as long as the connection: one per client, for every turn."""
+        await websocket.accept()
+        name = f"ws-{secrets.token_hex(4)}"
+        try:
+            check_api_key(settings, authorization)
+            engines = ready_engines()
+            refuse_when_full("websocket")
+            if not sessions.reserve(name):
+                raise HTTPException(503, "no free conversation slot")
+        except HTTPException as e:
+            await websocket.send_json({"type": "error", "message": e.detail})
+            await websocket.close(code=1008 if e.status_code == 401 else 1013)  # policy / try again later
+            return
+        try:
+            conversation = build_conversation(
+                lambda audio: FastAPIWebsocketTransport(
+                    websocket, FastAPIWebsocketParams(**audio, serializer=PCMJsonSerializer())
+                ),
+                engines,
+                settings,
+                metrics=metrics,
+            )
+            sessions.attach(name, conversation)
+            transport = conversation.transport
+
+            @transport.event_handler("on_client_connected")
+            async def on_client_connected(transport, client):
+                await conversation.greet()
+
+            @transport.event_handler("on_client_disconnected")
+            async def on_client_disconnected(transport, client):
+                logger.info(f"websocket client {name} disconnected")
+                await conversation.worker.cancel()
+
+            await run_conversation(conversation, name)
+        finally:
+            sessions.release(name)
 
     app.mount("/client", PipecatPrebuiltUI)
     app.mount("/static", StaticFiles(directory=WEB_DIR / "dist"), name="static")

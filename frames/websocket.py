@@ -1,0 +1,80 @@
+"""The `/ws` wire protocol: raw PCM16 audio as binary messages, JSON control messages as text."""
+
+import json
+
+from loguru import logger
+from pipecat.frames.frames import (
+    Frame,
+    InputAudioRawFrame,
+    InterruptionFrame,
+    OutputAudioRawFrame,
+    OutputTransportMessageFrame,
+    OutputTransportMessageUrgentFrame,
+)
+from pipecat.serializers.base_serializer import FrameSerializer
+
+INPUT_SAMPLE_RATE = 16000
+MAX_AUDIO_MESSAGE_BYTES = 64000  # 2 s of 16 kHz PCM16; clients send 20-100 ms at a time
+MAX_TEXT_MESSAGE_CHARS = 4096
+
+
+def error_frame(message: str) -> OutputTransportMessageUrgentFrame:
+    """An `{"type": "error"}` message for this client, sent through the pipeline like any other."""
+    return OutputTransportMessageUrgentFrame(message={"type": "error", "message": message})
+
+
+class PCMJsonSerializer(FrameSerializer):
+    """Client → agent:
+    - binary: mono PCM16 little-endian at 16 kHz, any length up to 2 s per message;
+    - text: `{"type": "start", "sample_rate": 16000}` (optional: it only checks the client's
+      rate, since the server does not resample what it is sent).
+
+    Agent → client:
+    - binary: mono PCM16 at the agent's output rate (24 kHz), streamed in real time;
+    - text, JSON objects with a `type`:
+      - Pipecat's RTVI events (`"label": "rtvi-ai"`): `user-started-speaking` /
+        `user-stopped-speaking` (turn boundaries), `user-transcription` (`data.text`,
+        `data.final`), `bot-started-speaking`, `bot-output` (`data.text`, the agent's words as
+        they are spoken) and `bot-stopped-speaking` (the end of a response);
+      - `interrupted`: the user cut in; drop any agent audio not yet played;
+      - `error` (`message`): a message was refused; the connection stays usable.
+
+    Refused messages (text that is not a JSON object, unknown types, a declared rate other than
+    16 kHz, audio with an odd byte count or over 2 s) are answered with `error` and dropped.
+    """
+
+    def __init__(self):
+        # RTVI messages are the protocol's events, so they are not filtered out.
+        super().__init__(FrameSerializer.InputParams(ignore_rtvi_messages=False))
+
+    async def serialize(self, frame: Frame) -> str | bytes | None:
+        if isinstance(frame, OutputAudioRawFrame):
+            return frame.audio
+        if isinstance(frame, InterruptionFrame):
+            return json.dumps({"type": "interrupted"})
+        if isinstance(frame, (OutputTransportMessageFrame, OutputTransportMessageUrgentFrame)):
+            return json.dumps(frame.message, default=str)
+        return None
+
+    async def deserialize(self, data: str | bytes) -> Frame | None:
+        if isinstance(data, bytes):
+            if len(data) > MAX_AUDIO_MESSAGE_BYTES:
+                return error_frame(f"audio message of {len(data)} bytes refused: at most {MAX_AUDIO_MESSAGE_BYTES}")
+            if len(data) % 2:
+                return error_frame(f"audio message of {len(data)} bytes refused: PCM16 needs an even count")
+            return InputAudioRawFrame(audio=data, sample_rate=INPUT_SAMPLE_RATE, num_channels=1)
+        if len(data) > MAX_TEXT_MESSAGE_CHARS:
+            return error_frame(f"text message of {len(data)} characters refused: at most {MAX_TEXT_MESSAGE_CHARS}")
+        try:
+            message = json.loads(data)
+        except ValueError:
+            logger.warning(f"websocket: refused a text message that is not JSON ({len(data)} chars)")
+            return error_frame("text messages must be JSON objects")
+        if not isinstance(message, dict):
+            return error_frame("text messages must be JSON objects")
+        if message.get("type") == "start":
+            rate = message.get("sample_rate")
+            if rate != INPUT_SAMPLE_RATE:
+                return error_frame(f"sample_rate {rate!r} refused: send mono PCM16 at {INPUT_SAMPLE_RATE} Hz")
+            return None
+        return error_frame(f"unknown message type {message.get('type')!r}")

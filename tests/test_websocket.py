@@ -1,0 +1,161 @@
+"""The agent over a plain WebSocket (`/ws`) and `voice-agent client`: real speech in, real speech out."""
+
+import asyncio
+import json
+import sys
+import time
+import wave
+
+import pytest
+import uvicorn
+from pydantic import SecretStr
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from agent.livekit_server import free_port
+from agent.server import create_app
+from agent.ws_client import OUTPUT_RATE, VoiceClient
+from tests.speech import normalize, wer
+from tests.test_concurrency import QUESTIONS
+
+API_KEY = "ws-test-key"
+
+
+@pytest.fixture(scope="module")
+async def ws_app(engines, settings):
+    """The agent as `voice-agent serve` runs it (peer-to-peer mode, API key set), sharing the test's engines."""
+    agent_settings = settings.model_copy(update={"api_key": SecretStr(API_KEY), "port": free_port()})
+    app = create_app(agent_settings, engines)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=agent_settings.port, log_level="warning"))
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        assert not serving.done(), "the agent's HTTP server failed to start"
+        await asyncio.sleep(0.05)
+    yield f"ws://127.0.0.1:{agent_settings.port}/ws", app
+    server.should_exit = True
+    await serving
+
+
+@pytest.fixture
+async def ws_url(ws_app):
+    """The agent's /ws, once the conversations of earlier tests have all ended (freeing their slots)."""
+    url, app = ws_app
+    deadline = time.monotonic() + 30
+    while app.state.sessions.active:
+        assert time.monotonic() < deadline, "conversations of an earlier test never ended"
+        await asyncio.sleep(0.1)
+    return url
+
+
+def client(url: str) -> VoiceClient:
+    return VoiceClient(url, api_key=API_KEY)
+
+
+async def test_the_client_holds_a_two_turn_conversation_from_files(ws_url, engines, say, tmp_path):
+    questions = ["What is the capital of France?", "And what is the capital of Italy?"]
+    inputs = []
+    for n, question in enumerate(questions):
+        path = tmp_path / f"question-{n}.wav"
+        with wave.open(str(path), "wb") as wav:
+            wav.setnchannels(1)
+            wav.setsampwidth(2)
+            wav.setframerate(16000)
+            wav.writeframes(await say(question))
+        inputs += ["--input", str(path)]
+    output = tmp_path / "replies.wav"
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "agent", "client", ws_url, *inputs, "--output", str(output), "--api-key", API_KEY,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    stdout, stderr = await asyncio.wait_for(process.communicate(), 180)
+    assert process.returncode == 0, stderr.decode()[-2000:]
+    lines = stdout.decode().splitlines()
+    heard = [line.removeprefix("you:").strip() for line in lines if line.startswith("you:")]
+    said = [line.removeprefix("agent:").strip() for line in lines if line.startswith("agent:")]
+    assert len(heard) == len(said) == 2, lines
+    for question, transcript in zip(questions, heard):
+        assert wer(question, transcript) <= 0.35, (question, transcript)
+    assert "paris" in normalize(said[0]) and "rome" in normalize(said[1]), said
+    # The replies' audio, as the client saved it, says what the agent's words say.
+    with wave.open(str(output)) as wav:
+        assert wav.getframerate() == OUTPUT_RATE
+        audio = wav.readframes(wav.getnframes())
+    spoken = (await engines.stt.transcribe(audio, OUTPUT_RATE)).text
+    assert wer(" ".join(said), spoken) <= 0.4, (said, spoken)
+
+
+async def test_barge_in_over_the_websocket(ws_url, say):
+    async with client(ws_url) as c:
+        await c.until_quiet()
+        asked = len(c.events)
+        await c.stream(await say("Tell me a long story about a dragon and a brave knight."))
+        await c.wait_for("bot-started-speaking", after=asked, timeout=30)
+        await c.silence(1.5)  # let it talk
+        assert time.monotonic() - c.last_audio_at < 0.2, "the agent should be talking"
+        cut_in = len(c.events)
+        cut_in_at = time.monotonic()
+        stop = await say("Stop. What is the capital of Germany?")
+        await c.stream(stop)
+        # The story's audio stops at once: the agent pauses within one chunk of the user's voice
+        # (and the turn that follows interrupts it). Its answer cannot start before the user ends.
+        await c.wait_for("interrupted", after=cut_in, timeout=10)
+        story_ended_at = max(t for t in c.audio_times if t < cut_in_at + len(stop) / 2 / 16000)
+        assert story_ended_at - cut_in_at < 1.0, f"story audio went on {story_ended_at - cut_in_at:.2f}s"
+        answered = len(c.events)
+        await c.wait_for("bot-stopped-speaking", after=answered, timeout=60)
+        words = " ".join(e["data"]["text"] for e in c.events[answered:] if e.get("type") == "bot-tts-text")
+    assert "berlin" in normalize(words), words
+
+
+async def test_bad_messages_get_errors_and_the_connection_stays_usable(ws_url, say):
+    bad = [
+        "garbage",  # not JSON
+        "[1, 2, 3]",  # JSON, not an object
+        json.dumps({"type": "dance"}),  # unknown type
+        json.dumps({"type": "start", "sample_rate": 8000}),  # a rate the server does not take
+        b"\x01" * 70000,  # oversize audio
+        b"\x01\x02\x03",  # odd byte count: not PCM16
+    ]
+
+    async def misbehave_then_talk() -> str:
+        async with client(ws_url) as c:
+            for message in bad:
+                await c.send(message)
+            await c.until_quiet()
+            errors = [e for e in c.events if e.get("type") == "error"]
+            assert len(errors) == len(bad), errors
+            reply = await c.ask(await say("What is the capital of France?"))
+            return reply.text
+
+    async def behave() -> str:
+        async with client(ws_url) as c:
+            await c.until_quiet()
+            reply = await c.ask(await say("How many legs does a spider have?"))
+            assert not [e for e in c.events if e.get("type") == "error"]
+            return reply.text
+
+    misbehaved, behaved = await asyncio.gather(misbehave_then_talk(), behave())
+    assert "paris" in normalize(misbehaved), misbehaved
+    assert behaved, "the other connection got no reply"
+
+
+async def test_a_missing_api_key_is_refused_with_a_reason(ws_url):
+    async with connect(ws_url) as ws:
+        message = json.loads(await ws.recv())
+        assert message == {"type": "error", "message": "missing or wrong API key"}
+        with pytest.raises(ConnectionClosed) as closed:
+            await ws.recv()
+    assert closed.value.rcvd.code == 1008
+
+
+async def test_eight_clients_at_once_are_all_answered(ws_url, say):
+    async def one(question: str):
+        async with client(ws_url) as c:
+            await c.until_quiet()
+            return await c.ask(await say(question), timeout=120)
+
+    replies = await asyncio.gather(*(one(q) for q in QUESTIONS))
+    for question, reply in zip(QUESTIONS, replies):
+        assert wer(question, reply.heard) <= 0.5, (question, reply.heard)
+        assert reply.text and len(reply.audio) / 2 / OUTPUT_RATE > 0.5, (question, reply.text)
