@@ -2,6 +2,7 @@
 
 import argparse
 import asyncio
+import signal
 import sys
 from pathlib import Path
 
@@ -146,7 +147,7 @@ def dev_command(args: argparse.Namespace) -> None:
 
 def worker_command(args: argparse.Namespace) -> None:
     from agent.engines import load_engines_warm
-    from agent.livekit_worker import create_agent_server
+    from agent.livekit_worker import create_agent_server, drain
     from agent.sessions import SessionRegistry, session_capacity
 
     logger.remove()
@@ -157,7 +158,16 @@ def worker_command(args: argparse.Namespace) -> None:
 
     async def run() -> None:
         engines = await load_engines_warm(settings)
-        server = create_agent_server(settings, engines, SessionRegistry(session_capacity(settings)))
+        sessions = SessionRegistry(session_capacity(settings))
+        server = create_agent_server(settings, engines, sessions)
+
+        async def drain_and_stop() -> None:
+            await drain(server, sessions, settings.drain_grace_secs)
+            await server.aclose()
+
+        server.on("worker_registered", lambda worker_id, _info: print(f"voice-agent worker: registered as {worker_id}", flush=True))
+        # SIGTERM (an orchestrator scaling down): drain, then exit. SIGINT (Ctrl-C): stop now.
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, lambda: asyncio.ensure_future(drain_and_stop()))
         print(f"voice-agent worker: registering as {settings.agent_name!r} at {settings.livekit_url}", flush=True)
         try:
             await server.run()

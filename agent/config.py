@@ -131,6 +131,14 @@ class Settings(BaseSettings):
     )
     agent_name: str = Field("voice-agent", description="Name the worker registers for explicit dispatch.")
     max_sessions: int = Field(8, ge=1, description="Conversations one process takes before refusing.")
+    drain_grace_secs: float = Field(
+        60.0,
+        ge=1.0,
+        description=(
+            "On SIGTERM a worker takes no new room; each conversation ends once its current reply "
+            "is spoken, and the process exits within this many seconds."
+        ),
+    )
     session_token_ttl_secs: int = Field(600, ge=10, description="Lifetime of browser tokens.")
     api_key: SecretStr | None = Field(None, description="When set, /api/session needs `Bearer <API_KEY>`.")
 

@@ -1,6 +1,7 @@
 """A scripted LiveKit participant: speaks PCM16 into a room and records what it hears (tests, benchmarks)."""
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ class LiveKitCaller:
     url: str
     token: str
     heard: list[HeardChunk] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)  # JSON data messages (the agent's RTVI events)
     room: rtc.Room = field(default_factory=rtc.Room)
     # Created before connecting: the agent's track can be subscribed while connect() runs.
     _readers: list[asyncio.Task] = field(default_factory=list)
@@ -34,6 +36,7 @@ class LiveKitCaller:
     async def join(self, timeout: float = 20.0) -> None:
         """Connect, publish a microphone track, and record the first remote audio track."""
         self.room.on("track_subscribed", self._on_track)
+        self.room.on("data_received", self._on_data)
         await asyncio.wait_for(self.room.connect(self.url, self.token), timeout)
         self._source = rtc.AudioSource(SAMPLE_RATE, 1)
         track = rtc.LocalAudioTrack.create_audio_track("microphone", self._source)
@@ -43,6 +46,21 @@ class LiveKitCaller:
     def _on_track(self, track: rtc.Track, _publication, participant: rtc.RemoteParticipant) -> None:
         if track.kind == rtc.TrackKind.KIND_AUDIO:
             self._readers.append(asyncio.ensure_future(self._record(track)))
+
+    def _on_data(self, packet: rtc.DataPacket) -> None:
+        try:
+            message = json.loads(packet.data)
+        except ValueError:
+            return
+        if isinstance(message, dict):
+            self.messages.append(message)
+
+    def agents(self) -> list[rtc.RemoteParticipant]:
+        """The agent participants in the room now."""
+        return [
+            p for p in self.room.remote_participants.values()
+            if p.kind == rtc.ParticipantKind.PARTICIPANT_KIND_AGENT
+        ]
 
     async def _record(self, track: rtc.Track) -> None:
         stream = rtc.AudioStream(track, sample_rate=SAMPLE_RATE, num_channels=1)

@@ -1,5 +1,10 @@
 """LiveKit dispatch: an AgentServer that runs one Pipecat conversation per room, all on the shared engines."""
 
+import asyncio
+import os
+import socket
+import time
+
 from livekit import api
 from livekit.agents import AgentServer, JobContext, JobExecutorType, JobRequest
 from loguru import logger
@@ -12,6 +17,9 @@ from agent.pipeline import build_conversation, run_conversation
 from agent.sessions import SessionRegistry
 
 
+WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
+
+
 def agent_token(settings: Settings, room: str, identity: str) -> str:
     """A token for the agent's own participant: this room only, marked as an agent."""
     return (
@@ -19,6 +27,8 @@ def agent_token(settings: Settings, room: str, identity: str) -> str:
         .with_identity(identity)
         .with_name("Voice agent")
         .with_kind("agent")
+        # Which process holds the room, for operators (and the multi-worker tests).
+        .with_attributes({"agent.worker": WORKER_ID})
         .with_grants(api.VideoGrants(room_join=True, room=room, agent=True))
         .to_jwt()
     )
@@ -108,5 +118,28 @@ async def run_room(
         if not others:  # the last user left: nobody to talk to
             await end(f"{participant_id} left")
 
+    async def end_when_draining() -> None:
+        while not sessions.draining:
+            await asyncio.sleep(0.25)
+        # A second to spare for leaving the room before the process must be gone.
+        left = max(0.0, sessions.drain_deadline - time.monotonic() - 1.0)
+        await conversation.end_after_reply(timeout=left, reason="the worker is draining")
+
     ctx.add_shutdown_callback(lambda: end("job shut down"))
-    await run_conversation(conversation, f"in room {room}")
+    draining = asyncio.create_task(end_when_draining())
+    try:
+        await run_conversation(conversation, f"in room {room}")
+    finally:
+        draining.cancel()
+
+
+async def drain(server: AgentServer, sessions: SessionRegistry, grace_secs: float) -> None:
+    """On SIGTERM: take no new room, let each conversation finish the reply it is giving (then the
+    agent leaves its room), and return once all have ended, or after `grace_secs` at the latest."""
+    logger.info(f"draining: {sessions.active} conversations finish their replies (grace {grace_secs:.0f} s)")
+    sessions.start_draining(grace_secs)
+    try:
+        # LiveKit stops dispatching here; then this waits for the jobs, which end as their replies do.
+        await server.drain(timeout=grace_secs)
+    except TimeoutError:
+        logger.warning(f"draining: {sessions.active} conversations still running after {grace_secs:.0f} s")

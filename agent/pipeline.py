@@ -1,5 +1,7 @@
 """Assembles one conversation: a transport plus the shared engines → a Pipecat pipeline worker."""
 
+import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -40,6 +42,7 @@ from services.echo import EchoCanceller
 
 AUDIO_IN_SAMPLE_RATE = 16000  # what Silero, smart-turn and Whisper all want
 AUDIO_OUT_SAMPLE_RATE = 24000  # Orpheus' native rate; transports resample for their codec
+REPLY_QUIET_SECS = 2.5  # longer than the gap between two sentences of a reply on a busy CPU
 
 # Builds the conversation's transport from the audio settings every transport shares (filters,
 # chunking): `lambda audio: LiveKitTransport(..., params=LiveKitParams(**audio))`.
@@ -63,6 +66,20 @@ class Conversation:
     assistant_aggregator: LLMAssistantAggregator
     turns: TurnMetricsObserver
     greeting: str = ""
+
+    def replying(self, quiet_secs: float = REPLY_QUIET_SECS) -> bool:
+        """Whether the agent is giving a reply: generating it, or it played or generated something
+        within `quiet_secs` (which spans the gaps while the next sentence is synthesized)."""
+        now = time.monotonic()
+        recent = max(self.llm.last_output_at, self.playback.last_played_at)
+        return self.llm.generating or now - recent < quiet_secs
+
+    async def end_after_reply(self, timeout: float, reason: str) -> None:
+        """End the conversation once the reply being given is spoken (at once if none is), or at `timeout`."""
+        deadline = time.monotonic() + timeout
+        while self.replying() and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        await self.worker.cancel(reason=reason)
 
     async def greet(self) -> None:
         """Say the greeting (when the user joins); it goes into the context like any reply."""

@@ -1,6 +1,7 @@
 """The live conversations of this process, against the capacity its shared engines are sized for."""
 
 import threading
+import time
 
 from loguru import logger
 
@@ -37,12 +38,14 @@ class SessionRegistry:
 
     def __init__(self, capacity: int):
         self.capacity = capacity
+        self.draining = False  # shutting down: no new conversation, and LiveKit sees this one as full
+        self.drain_deadline = 0.0  # time.monotonic() by which every conversation must have ended
         self._sessions: dict[str, Conversation | None] = {}
         self._lock = threading.Lock()
 
     def reserve(self, key: str) -> bool:
         with self._lock:
-            if len(self._sessions) >= self.capacity or key in self._sessions:
+            if self.draining or len(self._sessions) >= self.capacity or key in self._sessions:
                 return False
             self._sessions[key] = None
             return True
@@ -54,6 +57,14 @@ class SessionRegistry:
     def release(self, key: str) -> None:
         with self._lock:
             self._sessions.pop(key, None)
+
+    def start_draining(self, grace_secs: float) -> None:
+        self.drain_deadline = time.monotonic() + grace_secs
+        self.draining = True
+
+    def conversations(self) -> list[Conversation]:
+        with self._lock:
+            return [c for c in self._sessions.values() if c is not None]
 
     def get(self, key: str) -> Conversation | None:
         with self._lock:
@@ -68,8 +79,8 @@ class SessionRegistry:
 
     @property
     def full(self) -> bool:
-        return len(self._sessions) >= self.capacity
+        return self.draining or len(self._sessions) >= self.capacity
 
     @property
     def load(self) -> float:
-        return min(1.0, len(self._sessions) / self.capacity)
+        return 1.0 if self.draining else min(1.0, len(self._sessions) / self.capacity)

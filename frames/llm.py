@@ -1,5 +1,7 @@
 """Pipecat LLM service over the shared TransformersLLMEngine."""
 
+import time
+
 from loguru import logger
 from pipecat.frames.frames import (
     Frame,
@@ -50,6 +52,8 @@ class TransformersLLMService(LLMService):
         self.request_ids: list[str] = []  # every engine request this session made, in order
         self.prompts: list[list[dict]] = []  # the messages of each request, in order
         self.replies: list[str] = []  # the full text generated for each request (even if unheard)
+        self.generating = False
+        self.last_output_at = 0.0  # time.monotonic() of the latest text generated
 
     def can_generate_metrics(self) -> bool:
         return True
@@ -80,6 +84,7 @@ class TransformersLLMService(LLMService):
         await self.push_frame(LLMFullResponseStartFrame())
         await self.start_processing_metrics()
         await self.start_ttfb_metrics()
+        self.generating = True
         try:
             messages = await self.chat_messages(frame.context)
             request_id = f"{self.name}-{len(self.request_ids)}"
@@ -94,10 +99,12 @@ class TransformersLLMService(LLMService):
                     await self.stop_ttfb_metrics()
                     first = False
                 self.replies[-1] += text
+                self.last_output_at = time.monotonic()
                 await self._push_llm_text(text)
         except Exception as e:  # the engine failed this request; the conversation goes on
             logger.exception(f"{self}: generation failed")
             await self.push_error(error_msg=f"LLM failed: {e}", exception=e)
         finally:
+            self.generating = False
             await self.stop_processing_metrics()
             await self.push_frame(LLMFullResponseEndFrame())

@@ -1,6 +1,7 @@
 """Pausable bot playback: holds the agent's audio while a possible barge-in is judged, then resumes or drops it."""
 
 import asyncio
+import time
 from collections.abc import Callable
 from enum import Enum
 
@@ -35,6 +36,7 @@ class PlaybackGate(BaseAudioFilter):
         self.pauses = 0  # times a sound paused the agent, for tests
         self.sample_rate = 0
         self._on_played = on_played
+        self.last_played_at = 0.0  # time.monotonic() of the latest chunk let through
         self._released = asyncio.Event()
         self._released.set()
         self.processor = PlaybackGateProcessor(self)
@@ -53,6 +55,7 @@ class PlaybackGate(BaseAudioFilter):
         await self._released.wait()
         if self.state is PlaybackState.DROPPING:
             return b""  # the transport skips empty chunks
+        self.last_played_at = time.monotonic()
         if self._on_played is not None:
             self._on_played(audio, self.sample_rate)
         return audio
