@@ -12,6 +12,7 @@ from pipecat.frames.frames import TTSSpeakFrame
 from pipecat.observers.base_observer import BaseObserver
 from pipecat.pipeline.pipeline import Pipeline
 from pipecat.pipeline.worker import PipelineParams, PipelineWorker
+from pipecat.processors.aggregators.dtmf_aggregator import DTMFAggregator
 from pipecat.processors.aggregators.llm_context import LLMContext
 from pipecat.processors.aggregators.llm_response_universal import (
     LLMAssistantAggregator,
@@ -80,6 +81,19 @@ class Conversation:
         while self.replying() and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         await self.worker.cancel(reason=reason)
+
+    def follow_client(self, name: str) -> None:
+        """For one-client transports (WebRTC, WebSocket): greet the client when it connects, end
+        the conversation when it leaves."""
+
+        @self.transport.event_handler("on_client_connected")
+        async def on_client_connected(transport, client):
+            await self.greet()
+
+        @self.transport.event_handler("on_client_disconnected")
+        async def on_client_disconnected(transport, client):
+            logger.info(f"client {name} disconnected")
+            await self.worker.cancel()
 
     async def greet(self) -> None:
         """Say the greeting (when the user joins); it goes into the context like any reply."""
@@ -154,6 +168,8 @@ def build_conversation(
     pipeline = Pipeline(
         [
             transport.input(),
+            # Keypad digits (LiveKit SIP calls) become a user message: "DTMF: 42#".
+            DTMFAggregator(),
             guard,
             stt,
             user_aggregator,

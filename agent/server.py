@@ -186,18 +186,8 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
             settings,
             metrics=metrics,
         )
-        transport = conversation.transport
         sessions.attach(connection.pc_id, conversation)
-
-        @transport.event_handler("on_client_connected")
-        async def on_client_connected(transport, client):
-            await conversation.greet()
-
-        @transport.event_handler("on_client_disconnected")
-        async def on_client_disconnected(transport, client):
-            logger.info(f"client {connection.pc_id} disconnected")
-            await conversation.worker.cancel()
-
+        conversation.follow_client(connection.pc_id)
         task = asyncio.create_task(run_conversation(conversation, connection.pc_id))
         peer_tasks.add(task)
         task.add_done_callback(peer_tasks.discard)
@@ -229,17 +219,7 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
                 metrics=metrics,
             )
             sessions.attach(name, conversation)
-            transport = conversation.transport
-
-            @transport.event_handler("on_client_connected")
-            async def on_client_connected(transport, client):
-                await conversation.greet()
-
-            @transport.event_handler("on_client_disconnected")
-            async def on_client_disconnected(transport, client):
-                logger.info(f"websocket client {name} disconnected")
-                await conversation.worker.cancel()
-
+            conversation.follow_client(name)
             await run_conversation(conversation, name)
         finally:
             sessions.release(name)

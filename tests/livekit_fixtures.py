@@ -2,6 +2,7 @@
 
 import asyncio
 import time
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -45,15 +46,24 @@ async def live_agent(livekit_url, engines, settings):
         }
     )
     app = create_app(agent_settings, engines)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=agent_settings.port, log_level="warning"))
-    serving = asyncio.create_task(server.serve())
+    async with serving(app, agent_settings.port):
+        deadline = time.monotonic() + 30
+        while app.state.agent_server is None or app.state.agent_server.id == "unregistered":
+            assert time.monotonic() < deadline, "the LiveKit worker never registered"
+            await asyncio.sleep(0.1)
+        yield LiveAgent(f"http://127.0.0.1:{agent_settings.port}", livekit_url, app)
+
+
+@asynccontextmanager
+async def serving(app, port: int):
+    """`app` served by uvicorn on 127.0.0.1:`port` in this event loop, as `voice-agent serve` runs it."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    task = asyncio.create_task(server.serve())
     while not server.started:
-        assert not serving.done(), "the agent's HTTP server failed to start"
+        assert not task.done(), "the agent's HTTP server failed to start"
         await asyncio.sleep(0.05)
-    deadline = time.monotonic() + 30
-    while app.state.agent_server is None or app.state.agent_server.id == "unregistered":
-        assert time.monotonic() < deadline, "the LiveKit worker never registered"
-        await asyncio.sleep(0.1)
-    yield LiveAgent(f"http://127.0.0.1:{agent_settings.port}", livekit_url, app)
-    server.should_exit = True
-    await serving
+    try:
+        yield
+    finally:
+        server.should_exit = True
+        await task

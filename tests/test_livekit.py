@@ -161,6 +161,24 @@ async def test_leaving_mid_answer_ends_only_that_session(live_agent, engines, sa
     assert threading.active_count() <= threads_before, [t.name for t in threading.enumerate()]
 
 
+async def test_keypad_digits_reach_the_conversation(live_agent):
+    # The packets livekit-sip turns a caller's RFC 4733 digits into, sent here by a participant.
+    caller, room = await join_room(live_agent)
+    try:
+        await caller.silence(0.5)
+        for code, digit in [(4, "4"), (2, "2"), (11, "#")]:  # "#" ends the entry at once
+            await caller.room.local_participant.publish_dtmf(code=code, digit=digit)
+            await asyncio.sleep(0.2)
+        conversation = live_agent.app.state.sessions.get(room)
+        deadline = time.monotonic() + 30
+        prompts = conversation.llm.prompts
+        while not any("DTMF: 42#" in message["content"] for prompt in prompts for message in prompt):
+            assert time.monotonic() < deadline, f"the digits never reached the LLM: {conversation.llm.prompts}"
+            await caller.silence(0.2)
+    finally:
+        await caller.leave()
+
+
 async def test_tokens_are_scoped_to_one_room_and_expire(live_agent):
     session = await open_session(live_agent)
     claims = api.TokenVerifier("devkey", "secret").verify(session["token"])

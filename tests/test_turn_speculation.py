@@ -66,8 +66,9 @@ async def check_one_spoken_reply(session: LocalSession, engines, traffic: LLMTra
     """The bot spoke exactly the last request's reply, and the context holds it once."""
     llm, context = session.conversation.llm, session.conversation.context
     assert traffic.responses == [llm.replies[-1]], (traffic.responses, llm.replies)
-    assistant = [m["content"].strip() for m in context.get_messages() if m["role"] == "assistant"]
-    assert assistant == [llm.replies[-1].strip()], (assistant, llm.replies)
+    # Compared word for word: the context joins the spoken sentences with single spaces.
+    assistant = [" ".join(m["content"].split()) for m in context.get_messages() if m["role"] == "assistant"]
+    assert assistant == [" ".join(llm.replies[-1].split())], (assistant, llm.replies)
     spoken = await engines.stt.transcribe(session.played_audio(start=after), BOT_RATE)
     assert wer(llm.replies[-1], spoken.text) <= 0.35, (llm.replies[-1], spoken.text)
 

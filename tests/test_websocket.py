@@ -7,7 +7,6 @@ import time
 import wave
 
 import pytest
-import uvicorn
 from pydantic import SecretStr
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
@@ -15,6 +14,7 @@ from websockets.exceptions import ConnectionClosed
 from agent.livekit_server import free_port
 from agent.server import create_app
 from agent.ws_client import OUTPUT_RATE, VoiceClient
+from tests.livekit_fixtures import serving
 from tests.speech import normalize, wer
 from tests.test_concurrency import QUESTIONS
 
@@ -26,14 +26,8 @@ async def ws_app(engines, settings):
     """The agent as `voice-agent serve` runs it (peer-to-peer mode, API key set), sharing the test's engines."""
     agent_settings = settings.model_copy(update={"api_key": SecretStr(API_KEY), "port": free_port()})
     app = create_app(agent_settings, engines)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=agent_settings.port, log_level="warning"))
-    serving = asyncio.create_task(server.serve())
-    while not server.started:
-        assert not serving.done(), "the agent's HTTP server failed to start"
-        await asyncio.sleep(0.05)
-    yield f"ws://127.0.0.1:{agent_settings.port}/ws", app
-    server.should_exit = True
-    await serving
+    async with serving(app, agent_settings.port):
+        yield f"ws://127.0.0.1:{agent_settings.port}/ws", app
 
 
 @pytest.fixture
