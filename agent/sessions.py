@@ -62,10 +62,6 @@ class SessionRegistry:
         self.drain_deadline = time.monotonic() + grace_secs
         self.draining = True
 
-    def conversations(self) -> list[Conversation]:
-        with self._lock:
-            return [c for c in self._sessions.values() if c is not None]
-
     def get(self, key: str) -> Conversation | None:
         with self._lock:
             return self._sessions.get(key)
