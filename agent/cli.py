@@ -37,65 +37,55 @@ def build_parser() -> argparse.ArgumentParser:
         description="A self-hosted voice agent: local STT, LLM and TTS, served over WebRTC.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    serve = commands.add_parser(
-        "serve",
-        help="serve the agent and its browser client over HTTP and WebRTC",
-        description="Load the models, then serve /health, /api/offer (WebRTC) and /client/.",
-    )
-    add_server_options(serve)
-    serve.set_defaults(run=serve_command)
 
-    dev = commands.add_parser(
-        "dev",
-        help="local development: livekit-server (when installed), the worker and the HTTP server in one go",
-        description=(
-            "Start livekit-server in dev mode if it is on PATH (or in $GOPATH/bin), then serve the "
-            "agent with LiveKit: HTTP server and agent worker in this one process, sharing the "
-            "models. Without livekit-server, serve peer-to-peer WebRTC instead."
-        ),
-    )
+    def command(name: str, run, summary: str, description: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=summary, description=description)
+        sub.set_defaults(run=run)
+        return sub
+
+    add_server_options(command(
+        "serve", serve_command, "serve the agent and its browser client over HTTP and WebRTC",
+        "Load the models, then serve /health, /api/offer (WebRTC) and /client/.",
+    ))  # fmt: skip
+    dev = command(
+        "dev", dev_command,
+        "local development: livekit-server (when installed), the worker and the HTTP server in one go",
+        "Start livekit-server in dev mode if it is on PATH (or in $GOPATH/bin), then serve the agent "
+        "with LiveKit: HTTP server and agent worker in this one process, sharing the models. Without "
+        "livekit-server, serve peer-to-peer WebRTC instead.",
+    )  # fmt: skip
     add_server_options(dev)
     dev.add_argument("--livekit-port", type=int, default=7880, help="livekit-server port (default: 7880)")
-    dev.set_defaults(run=dev_command)
 
-    worker = commands.add_parser(
-        "worker",
-        help="register with livekit-server and talk in every room the agent is dispatched to",
-        description=(
-            "Load the models once, register with LiveKit as an agent worker (LIVEKIT_URL, "
-            "LIVEKIT_API_KEY, LIVEKIT_API_SECRET) and run one conversation per dispatched room, "
-            "all in this process, sharing the models."
-        ),
-    )
+    worker = command(
+        "worker", worker_command,
+        "register with livekit-server and talk in every room the agent is dispatched to",
+        "Load the models once, register with LiveKit as an agent worker (LIVEKIT_URL, LIVEKIT_API_KEY, "
+        "LIVEKIT_API_SECRET) and run one conversation per dispatched room, all in this process, "
+        "sharing the models.",
+    )  # fmt: skip
     worker.add_argument("--agent-name", help="name to be dispatched by (default: $AGENT_NAME or voice-agent)")
     worker.add_argument("--max-sessions", type=int, help="rooms taken before refusing (default: $MAX_SESSIONS or 8)")
     add_log_level(worker)
-    worker.set_defaults(run=worker_command)
 
-    download = commands.add_parser(
-        "download",
-        help="download the configured profile's hub models now (Docker builds bake them in this way)",
-        description=(
-            "Fetch every model the settings load from the Hugging Face hub into its cache (HF_HOME), "
-            "so the agent starts without downloading. Bundled models and local paths are skipped."
-        ),
-    )
-    download.set_defaults(run=download_command)
+    command(
+        "download", download_command,
+        "download the configured profile's hub models now (Docker builds bake them in this way)",
+        "Fetch every model the settings load from the Hugging Face hub into its cache (HF_HOME), so the "
+        "agent starts without downloading. Bundled models and local paths are skipped.",
+    )  # fmt: skip
 
-    client = commands.add_parser(
-        "client",
-        help="talk to a running agent over its /ws WebSocket: microphone and speaker, or WAV files",
-        description=(
-            "Connect to URL (ws://HOST:PORT/ws) once and talk: from the microphone to the speaker "
-            "(needs the sounddevice package), or, with --input, say each WAV file as one turn and "
-            "wait for the agent's reply before the next; --output saves the replies' audio."
-        ),
-    )
+    client = command(
+        "client", client_command,
+        "talk to a running agent over its /ws WebSocket: microphone and speaker, or WAV files",
+        "Connect to URL (ws://HOST:PORT/ws) once and talk: from the microphone to the speaker (needs the "
+        "sounddevice package), or, with --input, say each WAV file as one turn and wait for the agent's "
+        "reply before the next; --output saves the replies' audio.",
+    )  # fmt: skip
     client.add_argument("url", help="the agent's WebSocket, e.g. ws://127.0.0.1:7860/ws")
     client.add_argument("--input", type=Path, action="append", help="a WAV file to say (repeat for more turns)")
     client.add_argument("--output", type=Path, help="WAV file for the agent's replies (24 kHz)")
     client.add_argument("--api-key", help="the agent's API_KEY, when it has one (default: $API_KEY)")
-    client.set_defaults(run=client_command)
     return parser
 
 
@@ -131,7 +121,7 @@ def download_command(args: argparse.Namespace) -> None:
 def dev_command(args: argparse.Namespace) -> None:
     import os
 
-    from agent.livekit_server import DEV_API_KEY, DEV_API_SECRET, LiveKitServerProcess, find_livekit_server
+    from agent.livekit_dev_server import DEV_API_KEY, DEV_API_SECRET, LiveKitServerProcess, find_livekit_server
 
     if find_livekit_server() is None:
         print("livekit-server not found; serving peer-to-peer WebRTC instead", flush=True)
@@ -147,8 +137,10 @@ def dev_command(args: argparse.Namespace) -> None:
 
 def worker_command(args: argparse.Namespace) -> None:
     from agent.engines import load_engines_warm
-    from agent.livekit_worker import create_agent_server, drain
-    from agent.sessions import SessionRegistry, session_capacity
+    from agent.server.admission import Admission
+    from agent.server.metrics import AgentMetrics
+    from agent.server.sessions import SessionRegistry, session_capacity
+    from agent.transports.livekit import create_agent_server, drain
 
     logger.remove()
     logger.add(sys.stderr, level=args.log_level)
@@ -159,7 +151,8 @@ def worker_command(args: argparse.Namespace) -> None:
     async def run() -> None:
         engines = await load_engines_warm(settings)
         sessions = SessionRegistry(session_capacity(settings))
-        server = create_agent_server(settings, engines, sessions)
+        admission = Admission(settings, sessions, AgentMetrics(sessions), engines_of=lambda: engines)
+        server = create_agent_server(engines, admission)
 
         async def drain_and_stop() -> None:
             await drain(server, sessions, settings.drain_grace_secs)
@@ -182,7 +175,7 @@ def serve_command(args: argparse.Namespace) -> None:
     # Imported here so that `--help` answers without loading pipecat and torch.
     import uvicorn
 
-    from agent.server import create_app
+    from agent.app import create_app
 
     logger.remove()
     logger.add(sys.stderr, level=args.log_level)

@@ -35,6 +35,7 @@ class Settings(BaseSettings):
     stt_compute_type: str = Field("default", description="CTranslate2 compute type (int8 on cpu).")
     stt_language: str | None = Field("en", description="Spoken language; empty for auto-detect.")
     stt_workers: int = Field(2, ge=1, description="Transcriptions run in parallel on the one model.")
+    stt_beam_size: int = Field(1, ge=1, description="Whisper beam size (1 = greedy, the fastest).")
 
     llm_model: str | None = Field(
         None, description="HF id, local directory or .gguf file; default: bundled SmolLM2 (cpu)."
@@ -148,6 +149,10 @@ class Settings(BaseSettings):
         Path.home() / ".cache" / "voice-agent", description="Converted models (GGUF → HF)."
     )
     hf_token: SecretStr | None = Field(None, description="For gated hub models; never logged.")
+
+    def of_stage(self, stage: str, *names: str) -> dict:
+        """One stage's settings as an engine's keyword arguments: `of_stage("tts", "voice")` → {"voice": tts_voice}."""
+        return {name: getattr(self, f"{stage}_{name}") for name in names}
 
     @property
     def livekit_enabled(self) -> bool:

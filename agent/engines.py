@@ -1,4 +1,4 @@
-"""The engine registry: loads each model once per process and hands the same copies to every session."""
+"""The engine registry: loads each model once per process and hands the same copies to every conversation."""
 
 import asyncio
 import time
@@ -7,8 +7,10 @@ from dataclasses import dataclass
 from loguru import logger
 
 from agent.config import Settings
+from services.batcher import DynamicBatcher
+from services.engine import Engine
 from services.llm import TransformersLLMEngine
-from services.orpheus import OrpheusEngine
+from services.orpheus.engine import OrpheusEngine
 from services.stt import WhisperEngine
 from services.tts_piper import PiperEngine
 
@@ -20,19 +22,24 @@ class Engines:
     tts: PiperEngine | OrpheusEngine
     ready: bool = False
 
+    def by_stage(self) -> dict[str, Engine]:
+        return {"stt": self.stt, "llm": self.llm, "tts": self.tts}
+
+    def batchers(self) -> dict[str, DynamicBatcher]:
+        """The dynamic batchers inside the engines, by name (for queue and batch-size metrics)."""
+        return {"snac": self.tts.snac.batcher} if isinstance(self.tts, OrpheusEngine) else {}
+
     async def warmup(self) -> None:
         """Run each engine once so the first user does not pay for kernel compilation."""
         started = time.perf_counter()
-        pcm = await self.tts.synthesize("Warming up.")
-        await self.stt.transcribe(pcm, self.tts.sample_rate)
-        await self.llm.warmup()
+        for engine in self.by_stage().values():
+            await engine.warmup()
         self.ready = True
         logger.info(f"engines warm in {time.perf_counter() - started:.1f}s")
 
     def close(self) -> None:
-        self.llm.close()
-        self.stt.close()
-        self.tts.close()
+        for engine in self.by_stage().values():
+            engine.close()
 
 
 def load_engines(settings: Settings) -> Engines:
@@ -47,17 +54,13 @@ def load_engines(settings: Settings) -> Engines:
         compute_type=settings.stt_compute_type,
         workers=settings.stt_workers,
         language=settings.stt_language,
+        beam_size=settings.stt_beam_size,
     )
     llm = TransformersLLMEngine.load(
         settings.llm_model,
-        gguf_file=settings.llm_gguf_file,
         cache_dir=settings.cache_dir,
-        device=settings.llm_device,
-        dtype=settings.llm_dtype,
-        max_new_tokens=settings.llm_max_new_tokens,
-        temperature=settings.llm_temperature,
-        max_batch_requests=settings.llm_max_batch,
-        kv_cache_tokens=settings.llm_kv_cache_tokens,
+        **settings.of_stage("llm", "gguf_file", "device", "dtype", "max_new_tokens", "temperature"),
+        **settings.of_stage("llm", "max_batch", "kv_cache_tokens"),
     )
     return Engines(stt=stt, llm=llm, tts=load_tts(settings))
 
@@ -67,16 +70,9 @@ def load_tts(settings: Settings) -> PiperEngine | OrpheusEngine:
         return OrpheusEngine.load(
             settings.orpheus_model,
             settings.snac_model,
-            device=settings.tts_device,
-            dtype=settings.tts_dtype,
-            compile=settings.tts_compile,
-            snac_max_batch=settings.snac_max_batch,
-            snac_max_wait_ms=settings.snac_max_wait_ms,
-            voice=settings.tts_voice,
-            temperature=settings.tts_temperature,
-            top_p=settings.tts_top_p,
-            max_streams=settings.tts_max_streams,
-            kv_cache_tokens=settings.tts_kv_cache_tokens,
+            **settings.of_stage("tts", "device", "dtype", "compile", "voice", "temperature", "top_p"),
+            **settings.of_stage("tts", "max_streams", "kv_cache_tokens"),
+            **{f"snac_{name}": value for name, value in settings.of_stage("snac", "max_batch", "max_wait_ms").items()},
         )
     return PiperEngine(
         settings.tts_voice,

@@ -1,7 +1,8 @@
-"""Per-turn latency of one conversation: STT, LLM first token, TTS first audio and voice-to-voice."""
+"""Per-turn latency of one conversation (STT, LLM first token, TTS first audio, voice-to-voice), handed to metrics sinks."""
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from pipecat.frames.frames import (
     BotStartedSpeakingFrame,
@@ -18,9 +19,6 @@ from pipecat.services.llm_service import LLMService
 from pipecat.services.stt_service import STTService
 from pipecat.services.tts_service import TTSService
 
-if TYPE_CHECKING:
-    from agent.metrics import AgentMetrics
-
 
 @dataclass
 class TurnLatency:
@@ -34,23 +32,40 @@ class TurnLatency:
     voice_to_voice: float | None = None  # end of user speech → first bot audio played
 
 
-class TurnMetricsObserver(BaseObserver):
-    """Collects a TurnLatency for every user turn the bot answered, and feeds the process' metrics.
+class ConversationMetrics(Protocol):
+    """Where a conversation reports what it measures: the process' Prometheus metrics
+    (`agent.server.metrics.AgentMetrics`), or a benchmark's or test's log of turns."""
 
+    def observe_turn(self, turn: TurnLatency) -> None: ...
+
+    def count_underrun(self) -> None: ...
+
+    def count_error(self, kind: str) -> None: ...
+
+    def observe_tts_sentence(self, audio_seconds: float, wall_seconds: float) -> None: ...
+
+    def count_session_started(self) -> None: ...
+
+
+class TurnMetricsObserver(BaseObserver):
+    """Measures every user turn the bot answered and hands it to the conversation's metrics sinks.
+
+    It keeps only the turn being measured and the last one (`last`): a conversation's history of
+    turns belongs to whoever collects it (Prometheus histograms, a benchmark's log).
     An underrun is agent audio that stopped and started again with no user turn in between:
     the output ran dry mid-reply (TTS slower than playback), which the listener hears as a gap.
     """
 
-    def __init__(self, metrics: "AgentMetrics | None" = None):
+    def __init__(self, sinks: Sequence[ConversationMetrics] = ()):
         super().__init__()
-        self.turns: list[TurnLatency] = []
-        self.user_turn_started_at: list[float] = []  # pipeline clock, seconds
-        self.bot_started_at: list[float] = []
-        self.underruns = 0
-        self.errors: list[str] = []  # kinds, in order
-        self._metrics = metrics
+        self.last: TurnLatency | None = None  # the latest answered turn
+        self._sinks = list(sinks)
         self._pending: TurnLatency | None = None
         self._bot_paused = False  # the bot stopped speaking and no user turn started since
+
+    def add_sink(self, sink: ConversationMetrics) -> None:
+        """Report to `sink` too from now on (e.g. a benchmark watching a server's conversation)."""
+        self._sinks.append(sink)
 
     async def on_push_frame(self, data: FramePushed):
         frame, now = data.frame, data.timestamp / 1e9
@@ -60,32 +75,28 @@ class TurnMetricsObserver(BaseObserver):
             # Silero reports the stop after `stop_secs` of silence: the speech ended earlier.
             self._pending = TurnLatency(user_speech_ended=now - frame.stop_secs)
         elif isinstance(frame, UserStartedSpeakingFrame):
-            self.user_turn_started_at.append(now)
             self._bot_paused = False
         elif isinstance(frame, UserStoppedSpeakingFrame) and self._pending is not None:
             self._pending.turn_ended = now - self._pending.user_speech_ended
         elif isinstance(frame, BotStoppedSpeakingFrame):
             self._bot_paused = True
         elif isinstance(frame, BotStartedSpeakingFrame):
-            self.bot_started_at.append(now)
             if self._pending is not None:
                 self._pending.voice_to_voice = now - self._pending.user_speech_ended
-                self.turns.append(self._pending)
-                if self._metrics is not None:
-                    self._metrics.observe_turn(self._pending)
-                self._pending = None
+                self.last, self._pending = self._pending, None
+                for sink in self._sinks:
+                    sink.observe_turn(self.last)
             elif self._bot_paused:
-                self.underruns += 1
-                if self._metrics is not None:
-                    self._metrics.audio_underruns.inc()
+                for sink in self._sinks:
+                    sink.count_underrun()
             self._bot_paused = False
         elif isinstance(frame, ErrorFrame):
             kind = _stage_of(data.source)
-            self.errors.append(kind)
-            if self._metrics is not None:
-                self._metrics.count_error(kind)
+            for sink in self._sinks:
+                sink.count_error(kind)
         elif isinstance(frame, MetricsFrame):
-            turn = self._pending or (self.turns[-1] if self.turns else None)
+            # TTFB reports can trail the first audio: they belong to the turn just answered.
+            turn = self._pending or self.last
             if turn is None:
                 return
             for metric in frame.data:

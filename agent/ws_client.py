@@ -11,8 +11,10 @@ import numpy as np
 import soxr
 from websockets.asyncio.client import ClientConnection, connect
 
-INPUT_RATE = 16000  # what /ws takes
-OUTPUT_RATE = 24000  # what the agent sends
+from services.audio import INPUT_SAMPLE_RATE, OUTPUT_SAMPLE_RATE
+
+INPUT_RATE = INPUT_SAMPLE_RATE  # what /ws takes
+OUTPUT_RATE = OUTPUT_SAMPLE_RATE  # what the agent sends
 CHUNK_SECS = 0.02  # a microphone's 20 ms
 REPLY_QUIET_SECS = 1.5  # after the agent stops this long, its response is over
 

@@ -19,8 +19,8 @@ from loguru import logger
 
 from agent.config import Settings
 from agent.engines import load_engines_warm
-from agent.local_session import LocalSession
-from tests.speech import speak_16k
+from harness.local_session import LocalSession
+from harness.speech import speak_16k
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -124,13 +124,13 @@ async def run_session(index, engines, settings, questions, audio):
     spoken = []
     stop_timeouts = []  # the user aggregator's watchdog ended a turn no stop strategy ended (after 5 s)
     async with LocalSession(engines, settings) as session:
-        stt = session.conversation.stt
+        log = session.turn_log
         session.conversation.user_aggregator.add_event_handler(
             "on_user_turn_stop_timeout", lambda aggregator: stop_timeouts.append(session.now())
         )
         await session.silence(0.5)  # a moment of room tone before the first word
         for turn, (question, pcm) in enumerate(zip(questions, audio)):
-            stt.last_transcript, timeouts_before = None, len(stop_timeouts)
+            heard_before, timeouts_before = len(log.transcripts), len(stop_timeouts)
             speech_started = session.now()
             await session.speak(pcm)
             speech_ended = session.now()
@@ -144,6 +144,7 @@ async def run_session(index, engines, settings, questions, audio):
                 if not reply and session.now() - speech_ended >= ANSWER_CAP_SECS:
                     break
             reply_seconds = sum(c.seconds for c in reply)
+            last = log.transcripts[-1] if len(log.transcripts) > heard_before else None
             spoken.append(
                 {
                     "turn": turn,
@@ -152,8 +153,8 @@ async def run_session(index, engines, settings, questions, audio):
                     "speech_ended": speech_ended,  # includes the trailing silence of the Piper clip
                     "reply_started_after": reply[0].started_at - speech_ended if reply else None,
                     "reply_audio_seconds": reply_seconds,
-                    "heard": stt.last_transcript.text if stt.last_transcript else None,  # last segment only
-                    "whisper_seconds": stt.last_transcript.processing_seconds if stt.last_transcript else None,
+                    "heard": last.text if last else None,  # last segment only
+                    "whisper_seconds": last.processing_seconds if last else None,
                     "turn_stop_timeouts": len(stop_timeouts) - timeouts_before,
                 }
             )
@@ -162,8 +163,8 @@ async def run_session(index, engines, settings, questions, audio):
             print(f"  session {index} turn {turn + 1}/{len(questions)}: {replied} to {question!r}", end="")
             print(f", heard {spoken[-1]['heard']!r}{watchdog}", flush=True)
         await session.silence(0.5)
-        latencies = list(session.conversation.turns.turns)
-        underruns = session.conversation.turns.underruns
+        latencies = list(log.turns)
+        underruns = log.underruns
         messages = [
             {"role": m.get("role"), "content": m.get("content")}
             for m in session.conversation.context.get_messages()

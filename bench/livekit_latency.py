@@ -21,10 +21,10 @@ from pydantic import SecretStr
 
 from agent.config import Settings
 from agent.engines import load_engines_warm
-from agent.livekit_caller import FRAME_SAMPLES, SAMPLE_RATE, LiveKitCaller
-from agent.livekit_server import DEV_API_KEY, DEV_API_SECRET, LiveKitServerProcess, free_port
-from agent.pipeline import Conversation
-from agent.server import create_app
+from harness.livekit_caller import FRAME_SAMPLES, SAMPLE_RATE, LiveKitCaller
+from agent.livekit_dev_server import DEV_API_KEY, DEV_API_SECRET, LiveKitServerProcess, free_port
+from agent.conversation import Conversation
+from agent.app import create_app
 from bench.latency import (
     ANSWER_CAP_SECS,
     POLL_SECS,
@@ -36,7 +36,8 @@ from bench.latency import (
     summary,
     write_json,
 )
-from tests.speech import speak_16k
+from harness.observe import TurnLog
+from harness.speech import speak_16k
 
 VOICE_RMS = 300.0  # PCM16 RMS above which a 20 ms frame (ours) or a received chunk (the agent's) counts as voice
 REPLY_CAP_SECS = 45.0  # longest wait for a reply that started to go quiet
@@ -94,7 +95,7 @@ async def wait_for(condition, what: str, timeout: float = STARTUP_SECS, step: fl
     return value
 
 
-async def converse(caller: LiveKitCaller, conversation, questions, audio, label: str = "") -> list[dict]:
+async def converse(caller: LiveKitCaller, conversation, log: TurnLog, questions, audio, label: str = "") -> list[dict]:
     """Speak every question, each time keeping the microphone open (silence) until the reply has played out."""
     ear = Ear(caller)
     clock = getattr(conversation.worker, "_clock", None)  # the pipeline clock: monotonic_ns() - _time
@@ -104,7 +105,7 @@ async def converse(caller: LiveKitCaller, conversation, questions, audio, label:
         "on_user_turn_stop_timeout", lambda aggregator: stop_timeouts.append(time.monotonic())
     )
     for turn, (question, pcm) in enumerate(zip(questions, audio)):
-        agent_turns_before, timeouts_before = len(conversation.turns.turns), len(stop_timeouts)
+        agent_turns_before, timeouts_before = len(log.turns), len(stop_timeouts)
         started, ended = await caller.speak(pcm)
         queued = caller._source.queued_duration  # estimate of our audio still waiting to be sent
         tail = trailing_silence(pcm)
@@ -118,7 +119,7 @@ async def converse(caller: LiveKitCaller, conversation, questions, audio, label:
                 break
             if first is not None and (now - ear.last_voice() >= QUIET_SECS or now - first >= REPLY_CAP_SECS):
                 break
-        agent_turns = conversation.turns.turns[agent_turns_before:]
+        agent_turns = log.turns[agent_turns_before:]
         agent = agent_turns[0] if agent_turns else None
         messages = [m for m in conversation.context.get_messages() if isinstance(m, dict)]
         users = [m.get("content") for m in messages if m.get("role") == "user"]
@@ -267,10 +268,10 @@ async def serving_agent(settings: Settings, engines):
         if serving.done():
             raise RuntimeError("the agent's HTTP server failed to start")
         await wait_for(
-            lambda: app.state.agent_server is not None and app.state.agent_server.id != "unregistered",
+            lambda: app.state.livekit.worker_id not in (None, "unregistered"),
             "the LiveKit worker to register",
         )
-        print(f"agent worker {app.state.agent_server.id} registered; HTTP on port {settings.port}", flush=True)
+        print(f"agent worker {app.state.livekit.worker_id} registered; HTTP on port {settings.port}", flush=True)
         yield app
     finally:
         server.should_exit = True
@@ -322,7 +323,8 @@ async def run_with_agent(args, settings, engines, questions, audio) -> dict:
         caller, conversation = await call_agent(app, settings)
         try:
             started, cpu_started = time.perf_counter(), os.times()
-            spoken = await converse(caller, conversation, questions, audio)
+            log = TurnLog.attach(conversation)
+            spoken = await converse(caller, conversation, log, questions, audio)
             run_seconds = time.perf_counter() - started
             cpu = os.times()
             await caller.silence(0.5)
@@ -331,7 +333,7 @@ async def run_with_agent(args, settings, engines, questions, audio) -> dict:
                 for m in conversation.context.get_messages()
                 if isinstance(m, dict)
             ]
-            agent_turns = [vars(t).copy() for t in conversation.turns.turns]
+            agent_turns = [vars(t).copy() for t in log.turns]
         finally:
             await hang_up(app, [caller])
 

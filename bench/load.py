@@ -15,7 +15,7 @@ from loguru import logger
 
 from agent.cli import settings_from
 from agent.engines import load_engines_warm
-from agent.livekit_server import LiveKitServerProcess
+from agent.livekit_dev_server import LiveKitServerProcess
 from bench.latency import (
     QUESTIONS,
     command_line,
@@ -37,7 +37,8 @@ from bench.livekit_latency import (
 )
 from services import bundled
 from services.tts_piper import PiperEngine
-from tests.speech import speak_16k
+from harness.observe import TurnLog
+from harness.speech import speak_16k
 
 STAGES = ["turn_ended", "stt", "llm_first_token", "tts_first_audio"]
 PLOTTED_STAGES = ["stt", "llm_first_token", "tts_first_audio"]
@@ -89,10 +90,11 @@ async def livekit_step(app, settings, n: int, turns: int, speech: dict[str, byte
         if failures:
             raise failures[0]
         asked = [questions_for(i, turns) for i in range(n)]
+        logs = [TurnLog.attach(conversation) for _, conversation in calls]
         spoken = await asyncio.gather(
             *(
-                converse(caller, conversation, questions, [speech[q] for q in questions], f"caller {i} ")
-                for i, ((caller, conversation), questions) in enumerate(zip(calls, asked))
+                converse(caller, conversation, log, questions, [speech[q] for q in questions], f"caller {i} ")
+                for i, ((caller, conversation), log, questions) in enumerate(zip(calls, logs, asked))
             )
         )
         # Read the agent's records while the rooms still exist: leaving ends the conversations.
@@ -101,10 +103,10 @@ async def livekit_step(app, settings, n: int, turns: int, speech: dict[str, byte
                 "caller": i,
                 "voice_to_voice": [row["participant_v2v"] for row in rows if row["participant_v2v"] is not None],
                 "spoken": rows,
-                "agent_turns": [vars(t).copy() for t in conversation.turns.turns],
-                "underruns": conversation.turns.underruns,
+                "agent_turns": [vars(t).copy() for t in log.turns],
+                "underruns": log.underruns,
             }
-            for i, (rows, (_, conversation)) in enumerate(zip(spoken, calls))
+            for i, (rows, log) in enumerate(zip(spoken, logs))
         ]
     finally:
         await hang_up(app, [caller for caller, _ in calls])
@@ -315,7 +317,7 @@ async def main(args):
             "agent_v2v": "livekit: the agent's own TurnLatency.voice_to_voice",
             "within_target": "every turn answered and voice-to-voice p95 < target_p95_seconds",
             "max_callers_under_target": "largest N before the first step that is not within_target",
-            "underruns": "sum of conversation.turns.underruns: agent audio that stopped and restarted "
+            "underruns": "sum of each conversation's underruns (TurnLog): agent audio that stopped and restarted "
             "with no user turn between",
             "rss_mb": "VmRSS after the step's conversations ended; rss_peak_mb: VmHWM during the step",
         },

@@ -16,12 +16,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from snac import SNAC
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench.latency import command_line, machine_info, percentile, write_json
-from services.orpheus import END_OF_SPEECH, PAD, TOKENS_PER_SECOND, OrpheusEngine
-from services.snac_decoder import SAMPLES_PER_FRAME, SAMPLE_RATE, SnacDecoder, SnacWindowPlanner
-from tests.orpheus_models import ORPHEUS_VOCAB, build_random_snac, build_tiny_orpheus_lm, build_tiny_tokenizer
+from services.orpheus.engine import OrpheusEngine
+from services.orpheus.tokens import END_OF_SPEECH, PAD, TOKENS_PER_SECOND
+from services.orpheus.snac import SAMPLES_PER_FRAME, SAMPLE_RATE, SnacDecoder, SnacWindowPlanner
+from agent.config import Settings
+from harness.orpheus_models import ORPHEUS_VOCAB, build_random_snac, build_tiny_orpheus_lm, build_tiny_tokenizer
 
 TEXT = "Hello there! It is a lovely day for a walk in the park, isn't it?"
 
@@ -197,9 +200,8 @@ def table(rows: list[dict], columns: list[str]) -> None:
 
 
 async def main(args) -> None:
-    snac_model = SnacDecoder.load(args.snac) if args.snac else None
     snac = SnacDecoder(
-        snac_model.model if snac_model else build_random_snac(), device=args.device, max_batch=64,
+        SNAC.from_pretrained(args.snac) if args.snac else build_random_snac(), device=args.device, max_batch=64,
         max_wait_ms=2.0, compile=args.compile,
     )  # fmt: skip
     decode_window(snac, random_frames(8, 0), 0)  # warm-up
@@ -215,7 +217,11 @@ async def main(args) -> None:
     table(batching, ["streams", "audio_s", "wall_s", "x_realtime", "mean_batch", "window_wait_p50_ms", "window_wait_p95_ms"])
 
     model, tokenizer = build_lm(args.lm, args.device)
-    engine = OrpheusEngine(model, tokenizer, snac, max_streams=128, kv_cache_tokens=1 << 17, max_batch_tokens=4096)
+    defaults = Settings(_env_file=None, tts_engine="orpheus")
+    engine = OrpheusEngine(
+        model, tokenizer, snac, voice=defaults.tts_voice, temperature=defaults.tts_temperature,
+        top_p=defaults.tts_top_p, max_streams=128, kv_cache_tokens=1 << 17, max_batch_tokens=4096,
+    )  # fmt: skip
     await engine.synthesize("Warm up.")
     streams = [await orpheus_streams(engine, int(n)) for n in args.streams.split(",")]
     print(f"Orpheus streams (LM: {args.lm}), text: {TEXT!r}\n")

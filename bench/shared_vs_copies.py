@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from agent.config import Settings
 from agent.engines import load_engines_warm
-from agent.local_session import LocalSession
+from harness.local_session import LocalSession
 from bench.latency import QUESTIONS, command_line, machine_info, process_memory_mb, write_json
 from services.audio import pcm16_to_float
 from services.stt import WHISPER_SAMPLE_RATE

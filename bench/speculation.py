@@ -14,9 +14,9 @@ from pipecat.observers.base_observer import BaseObserver, FramePushed
 
 from agent.config import Settings
 from agent.engines import load_engines_warm
-from agent.local_session import LocalSession
+from harness.local_session import LocalSession
 from bench.latency import ANSWER_CAP_SECS, POLL_SECS, command_line, machine_info, percentile, write_json
-from tests.speech import speak_16k
+from harness.speech import speak_16k
 
 # Smart-turn v3.2's verdicts on the bundled Piper voice, measured over several renditions: the
 # complete questions score p > 0.9, the incomplete turns p < 0.05 (except the one with a comma,
@@ -80,21 +80,20 @@ async def run_turn(engines, settings, pcm):
     first audio, then the conversation is closed: only the start of the reply is timed.
     """
     stats = engines.llm.stats
-    cancelled = stats.cancelled
+    cancelled, started = stats.cancelled, stats.started
     async with LocalSession(engines, settings) as session:
         counter = SpeculationCounter(session.conversation.llm)
         session.conversation.worker.add_observer(counter)
-        turns = session.conversation.turns
+        turns = session.turn_log.turns
         await session.silence(0.5)
         await session.speak(pcm)
         spoke = session.now()
-        while not turns.turns and session.now() - spoke < ANSWER_CAP_SECS:
+        while not turns and session.now() - spoke < ANSWER_CAP_SECS:
             await session.silence(POLL_SECS)
-        latency = turns.turns[-1] if turns.turns else None
-        llm = session.conversation.llm
+        latency = turns[-1] if turns else None
         return {
             **{m: getattr(latency, m) if latency else None for m in METRICS},
-            "llm_requests": len(llm.prompts),
+            "llm_requests": stats.started - started,
             "speculative_requests": counter.speculative,
             "withdrawn": counter.withdrawn,
             "engine_cancelled": stats.cancelled - cancelled,  # before the close cancels the reply

@@ -8,7 +8,7 @@ from loguru import logger
 from pipecat.frames.frames import Frame, InputAudioRawFrame
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor, FrameProcessorSetup
 
-from services.audio import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
+from services.audio import INPUT_SAMPLE_RATE, MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
 
 ERROR_LOG_INTERVAL_SECS = 5.0  # a broken client sends 50 bad frames a second; log, don't flood
 
@@ -23,7 +23,7 @@ class InputAudioGuard(FrameProcessor):
 
     def __init__(self, *, on_drop=None, **kwargs):
         super().__init__(**kwargs)
-        self._rate = 16000
+        self._rate = INPUT_SAMPLE_RATE  # the pipeline's, from setup()
         self._resamplers: dict[int, soxr.ResampleStream] = {}
         self._last_logged: dict[str, float] = {}
         self.dropped: dict[str, int] = {}

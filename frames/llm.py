@@ -49,9 +49,7 @@ class TransformersLLMService(LLMService):
             **kwargs,
         )
         self._engine = engine
-        self.request_ids: list[str] = []  # every engine request this session made, in order
-        self.prompts: list[list[dict]] = []  # the messages of each request, in order
-        self.replies: list[str] = []  # the full text generated for each request (even if unheard)
+        self._requests = 0  # engine requests this conversation made: numbers their ids
         self.generating = False
         self.last_output_at = 0.0  # time.monotonic() of the latest text generated
 
@@ -87,10 +85,8 @@ class TransformersLLMService(LLMService):
         self.generating = True
         try:
             messages = await self.chat_messages(frame.context)
-            request_id = f"{self.name}-{len(self.request_ids)}"
-            self.request_ids.append(request_id)
-            self.prompts.append(messages)
-            self.replies.append("")
+            request_id = f"{self.name}-{self._requests}"
+            self._requests += 1
             first = True
             async for text in self._engine.stream(
                 messages, request_id=request_id, max_new_tokens=self._settings.max_tokens
@@ -98,7 +94,6 @@ class TransformersLLMService(LLMService):
                 if first:
                     await self.stop_ttfb_metrics()
                     first = False
-                self.replies[-1] += text
                 self.last_output_at = time.monotonic()
                 await self._push_llm_text(text)
         except Exception as e:  # the engine failed this request; the conversation goes on

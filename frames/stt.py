@@ -10,6 +10,7 @@ from pipecat.services.stt_service import SegmentedSTTService
 from pipecat.transcriptions.language import Language
 from pipecat.utils.time import time_now_iso8601
 
+from frames.pipecat_internals import set_stt_pre_roll
 from services.audio import AudioFormatError
 from services.stt import WhisperEngine
 
@@ -32,12 +33,10 @@ class WhisperSTTService(SegmentedSTTService):
             **kwargs,
         )
         self._engine = engine
-        self.last_transcript = None  # the engine's Transcript for the latest segment
 
     async def setup(self, setup: FrameProcessorSetup):
         await super().setup(setup)
-        # Pipecat sizes its pre-roll buffer here (named for its 1 s default) and has no option for it.
-        self._audio_buffer_size_1s = int(self.sample_rate * 2 * PRE_ROLL_SECS)
+        set_stt_pre_roll(self, PRE_ROLL_SECS)
 
     @property
     def wants_wav_segments(self) -> bool:
@@ -60,7 +59,6 @@ class WhisperSTTService(SegmentedSTTService):
             return
         finally:
             await self.stop_processing_metrics()
-        self.last_transcript = transcript
         if transcript.text:
             logger.debug(f"{self}: transcript [{transcript.text}] ({transcript.processing_seconds:.2f}s)")
             yield TranscriptionFrame(

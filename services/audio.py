@@ -1,7 +1,14 @@
-"""PCM16 validation and conversion shared by the engines."""
+"""Audio rates of the pipeline, and PCM16 validation and conversion shared by the engines."""
 
 import numpy as np
 import soxr
+
+# The pipeline's input rate: what Silero VAD, smart-turn and Whisper all take. Transports and the
+# input guard bring every microphone to it.
+INPUT_SAMPLE_RATE = 16000
+# The pipeline's output rate: Orpheus' native rate (Piper's 22.05 kHz is resampled to it);
+# transports resample to their codec's rate.
+OUTPUT_SAMPLE_RATE = 24000
 
 
 class AudioFormatError(ValueError):

@@ -16,12 +16,15 @@ PAGE_SIZE = 256  # tokens per KV-cache page
 
 @dataclass
 class GenerationStats:
-    """Lifetime request counts; read by tests and metrics."""
+    """Lifetime request counts by outcome (`/metrics` shows each as `voice_agent_llm_requests`).
+
+    Every started request ends exactly one way: finished, cancelled or failed.
+    """
 
     started: int = 0
-    finished: int = 0
-    cancelled: int = 0
-    failed: int = 0
+    finished: int = 0  # generated up to a stop token or its token budget
+    cancelled: int = 0  # by its caller (a barge-in, a withdrawn speculation) or when its loop closed
+    failed: int = 0  # the engine reported an error for it
 
 
 class GenerationError(RuntimeError):
@@ -41,9 +44,9 @@ class ContinuousBatchGenerator:
         model: torch.nn.Module,
         generation_config: GenerationConfig,
         *,
-        max_batch_requests: int = 16,
-        kv_cache_tokens: int = 16384,
-        max_batch_tokens: int = 1024,
+        max_batch_requests: int,
+        kv_cache_tokens: int,
+        max_batch_tokens: int,
         logits_processors: Sequence = (),
         name: str = "generator",
     ):
@@ -64,12 +67,7 @@ class ContinuousBatchGenerator:
             ),
         )
         if logits_processors:
-            # transformers builds CB processors only from the generation config; a processor
-            # that works on the last token alone (CB hands it no history) can run first.
-            processors = self._manager.logit_processor
-            for position, processor in enumerate(logits_processors):
-                processors.logits_processor.insert(position, processor)
-            processors.do_processing = True
+            insert_logits_processors(self._manager, logits_processors)
         self._manager.start()
         self._dispatch_loop = asyncio.new_event_loop()
         threading.Thread(
@@ -156,13 +154,27 @@ class ContinuousBatchGenerator:
                 pass
 
     @property
-    def active_requests(self) -> int:
+    def in_flight(self) -> int:
         return len(self._active)
 
     def close(self) -> None:
         if self._manager.is_running():
             self._manager.stop(block=True, timeout=5)
         self._dispatch_loop.call_soon_threadsafe(self._dispatch_loop.stop)
+
+
+def insert_logits_processors(manager, processors: Sequence) -> None:
+    """Run `processors` first among a continuous-batching manager's logits processors.
+
+    A reach into transformers' internals (checked against 5.23.0; tests/test_library_internals.py
+    fails if it moves): continuous batching builds its processors only from the generation config
+    and has no way to add one. A processor that works on each row's last token alone (all CB hands
+    it) can run first.
+    """
+    chain = manager.logit_processor
+    for position, processor in enumerate(processors):
+        chain.logits_processor.insert(position, processor)
+    chain.do_processing = True
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:

@@ -15,6 +15,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from services.batched_generation import ContinuousBatchGenerator, resolve_dtype
 
+SAMPLING_TOP_P = 0.9  # nucleus sampling, when LLM_TEMPERATURE > 0
+MAX_BATCH_TOKENS = 1024  # prompt + generated tokens one batched step may process
+
 
 class TransformersLLMEngine:
     """A chat model whose requests from all conversations share one continuous batch.
@@ -31,12 +34,10 @@ class TransformersLLMEngine:
         tokenizer,
         *,
         name: str,
-        max_new_tokens: int = 128,
-        temperature: float = 0.0,
-        top_p: float = 0.9,
-        max_batch_requests: int = 16,
-        kv_cache_tokens: int = 16384,
-        max_batch_tokens: int = 1024,
+        max_new_tokens: int,
+        temperature: float,
+        max_batch: int,
+        kv_cache_tokens: int,
     ):
         self.name = name
         TransformersLLMEngine.loads += 1
@@ -52,13 +53,13 @@ class TransformersLLMEngine:
                 max_new_tokens=max_new_tokens,
                 do_sample=temperature > 0,
                 temperature=temperature if temperature > 0 else None,
-                top_p=top_p if temperature > 0 else None,
+                top_p=SAMPLING_TOP_P if temperature > 0 else None,
                 eos_token_id=eos,
                 pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
             ),
-            max_batch_requests=max_batch_requests,
+            max_batch_requests=max_batch,
             kv_cache_tokens=kv_cache_tokens,
-            max_batch_tokens=max_batch_tokens,
+            max_batch_tokens=MAX_BATCH_TOKENS,
             name="llm",
         )
         self.stats = self.generator.stats
@@ -70,8 +71,8 @@ class TransformersLLMEngine:
         *,
         gguf_file: str | None = None,
         cache_dir: Path,
-        device: str = "cpu",
-        dtype: str = "auto",
+        device: str,
+        dtype: str,
         **engine_kwargs,
     ) -> "TransformersLLMEngine":
         """Load an HF hub id, a local HF directory, or a GGUF file (converted once, then cached)."""
@@ -123,8 +124,8 @@ class TransformersLLMEngine:
         self.generator.cancel(request_id)
 
     @property
-    def active_requests(self) -> int:
-        return self.generator.active_requests
+    def in_flight(self) -> int:
+        return self.generator.in_flight
 
     async def warmup(self) -> None:
         """The first request compiles kernels and allocates the paged cache: pay that before users do."""

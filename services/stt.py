@@ -8,9 +8,9 @@ from pathlib import Path
 
 from faster_whisper import WhisperModel
 
-from services.audio import pcm16_to_float
+from services.audio import INPUT_SAMPLE_RATE, pcm16_to_float
 
-WHISPER_SAMPLE_RATE = 16000
+WHISPER_SAMPLE_RATE = INPUT_SAMPLE_RATE
 
 
 @dataclass
@@ -44,13 +44,17 @@ class WhisperEngine:
         self,
         model: str,
         *,
-        device: str = "cpu",
-        compute_type: str = "default",
-        workers: int = 2,
-        language: str | None = "en",
-        beam_size: int = 1,
+        device: str,
+        compute_type: str,
+        workers: int,
+        language: str | None,
+        beam_size: int,
     ):
         self.model_name = model
+        # A bundled model's directory is just ".../model"; /health shows a name, not a path.
+        self.name = Path(model).name if Path(model).is_dir() else model
+        if self.name == "model":
+            self.name = Path(model).parent.name
         WhisperEngine.loads += 1
         self.language = language
         self.beam_size = beam_size
@@ -64,7 +68,7 @@ class WhisperEngine:
             local_files_only=Path(model).is_dir(),  # a directory never needs the hub
         )
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="whisper")
-        self.transcriptions = 0  # lifetime count, read by tests and metrics
+        self.transcriptions = 0  # lifetime count
         self.in_flight = 0  # submitted and not finished: queued on the pool or running
 
     async def transcribe(self, pcm: bytes, sample_rate: int) -> Transcript:
@@ -99,6 +103,9 @@ class WhisperEngine:
             processing_seconds=time.perf_counter() - started,
             segments=parts,
         )
+
+    async def warmup(self) -> None:
+        await self.transcribe(b"\x00\x00" * WHISPER_SAMPLE_RATE, WHISPER_SAMPLE_RATE)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -20,9 +20,10 @@ class PiperEngine:
 
     loads = 0  # models loaded in this process: sessions must share, never add to this
 
-    def __init__(self, voice_path: str | Path, *, workers: int = 2, use_cuda: bool = False):
+    def __init__(self, voice_path: str | Path, *, workers: int, use_cuda: bool):
         self.voice_path = Path(voice_path)
         self.voice = self.voice_path.stem
+        self.name = self.voice
         PiperEngine.loads += 1
         self._voice = PiperVoice.load(self.voice_path, use_cuda=use_cuda)
         self.sample_rate: int = self._voice.config.sample_rate
@@ -57,6 +58,9 @@ class PiperEngine:
     async def synthesize(self, text: str) -> bytes:
         """All of `text` as one PCM16 buffer."""
         return b"".join([chunk async for chunk in self.stream(text)])
+
+    async def warmup(self) -> None:
+        await self.synthesize("Warming up.")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -4,8 +4,9 @@ import pytest
 
 from agent.config import Settings
 from agent.engines import Engines, load_engines_warm
-from tests.livekit_fixtures import live_agent, livekit_url  # noqa: F401 (fixtures)
-from tests.speech import speak_16k
+from harness.fixtures import live_agent, livekit_url  # noqa: F401 (fixtures)
+from harness.observe import with_llm_log
+from harness.speech import speak_16k
 
 # The LiveKit fixtures are imported here, not in each test module: a session fixture imported
 # into several modules is a separate fixture in each, which started one livekit-server and one
@@ -23,8 +24,10 @@ def settings() -> Settings:
 
 @pytest.fixture(scope="session")
 async def engines(settings) -> Engines:
+    """The engines every test shares; the LLM records each conversation's requests
+    (`engines.llm.of(conversation).prompts`, `.replies`)."""
     engines = await load_engines_warm(settings)
-    yield engines
+    yield with_llm_log(engines)
     engines.close()
 
 

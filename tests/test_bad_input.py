@@ -8,9 +8,9 @@ import soxr
 from loguru import logger
 from pipecat.frames.frames import InputAudioRawFrame
 
-from agent.local_session import LocalSession
+from harness.local_session import LocalSession
 from services.audio import AudioFormatError
-from tests.speech import wer
+from harness.speech import wer
 from tests.test_conversation import user_messages, user_turn
 
 

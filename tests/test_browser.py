@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import soxr
 
-from tests.livekit_fixtures import API_KEY
-from tests.speech import normalize, wer
+from harness.fixtures import API_KEY
+from harness.speech import normalize, wer
 
 ROOT = Path(__file__).resolve().parent.parent
 WEB = ROOT / "web"
@@ -95,7 +95,7 @@ def join_spans(spans: list[tuple[float, float]], gap: float) -> list[tuple[float
     return [(a, b) for a, b in joined]
 
 
-async def test_talk_to_the_agent_in_a_browser_and_cut_in(live_agent, say, artifacts, tmp_path):
+async def test_talk_to_the_agent_in_a_browser_and_cut_in(live_agent, engines, say, artifacts, tmp_path):
     question, cut_in = await say(QUESTION), await say(CUT_IN)
     wav = tmp_path / "microphone.wav"
     write_wav(wav, [LEAD_IN_SECS, question, CUT_IN_AFTER_SECS, cut_in, 20.0])
@@ -105,7 +105,7 @@ async def test_talk_to_the_agent_in_a_browser_and_cut_in(live_agent, say, artifa
     )  # fmt: skip
     async with page as result:
         room = result["status"].split()[-1]
-        replies = list(live_agent.app.state.sessions.get(room).llm.replies)
+        replies = list(engines.llm.of(live_agent.app.state.sessions.get(room)).replies)
     print(json.dumps({k: v for k, v in result.items() if k != "trace"})[:4000])
     assert "waitError" not in result
     assert result["consoleErrors"] == []

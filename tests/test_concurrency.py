@@ -7,11 +7,11 @@ import threading
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.local_session import LocalSession
-from agent.metrics import AgentMetrics
-from agent.sessions import SessionRegistry
-from tests.livekit_fixtures import API_KEY
-from tests.speech import normalize, wer
+from harness.local_session import LocalSession
+from agent.server.metrics import AgentMetrics
+from agent.server.sessions import SessionRegistry
+from harness.fixtures import API_KEY
+from harness.speech import normalize, wer
 from tests.test_conversation import BOT_RATE, user_messages, wait_for_reply
 from tests.test_livekit import join_room, wait_for_answer
 
@@ -43,7 +43,7 @@ async def answer_once(session: LocalSession, engines, say, question: str) -> Non
     conversation = session.conversation
     for _ in range(1200):
         said = [m["content"] for m in conversation.context.get_messages() if m["role"] == "assistant"]
-        if said and conversation.llm.replies and normalize(said[-1]) == normalize(conversation.llm.replies[-1]):
+        if said and engines.llm.of(conversation).replies and normalize(said[-1]) == normalize(engines.llm.of(conversation).replies[-1]):
             break
         await asyncio.sleep(0.1)
     await wait_for_reply(session, after=ended, quiet=1.0)
@@ -51,7 +51,7 @@ async def answer_once(session: LocalSession, engines, say, question: str) -> Non
     heard = user_messages(session)
     assert heard and wer(question, heard[-1]) <= 0.25, (question, heard)
     spoken = (await engines.stt.transcribe(bot_audio, BOT_RATE)).text
-    reply = session.conversation.llm.replies[-1]
+    reply = engines.llm.of(session.conversation).replies[-1]
     # The agent spoke its reply: the same opening words, and about as many words. (Not WER on
     # the whole: SmolLM2-135M can loop on a phrase, and tiny.en then loops a few times more.)
     opening = lambda text: " ".join(normalize(text).split()[:12])  # noqa: E731
@@ -117,7 +117,7 @@ async def test_fifty_conversations_opened_and_closed_leave_nothing_behind(engine
     assert grown[0] <= 1 and grown[1] <= 1 and grown[2] <= 40, grown
 
 
-async def test_over_capacity_is_refused_clearly_and_running_rooms_go_on(live_agent, say):
+async def test_over_capacity_is_refused_clearly_and_running_rooms_go_on(live_agent, engines, say):
     sessions: SessionRegistry = live_agent.app.state.sessions
     metrics: AgentMetrics = live_agent.app.state.metrics
     capacity = sessions.capacity
@@ -134,11 +134,11 @@ async def test_over_capacity_is_refused_clearly_and_running_rooms_go_on(live_age
         assert metrics.sessions_refused.labels(transport="livekit")._value.get() == refused_before + 1
         # The running conversation is unaffected: it still answers.
         conversation = sessions.get(room)
-        before = len(conversation.llm.replies)
+        before = len(engines.llm.of(conversation).replies)
         await caller.silence(0.3)
         _, ended = await caller.speak(await say("What is the capital of France?"))
         await wait_for_answer(live_agent, room, caller, ended)
-        assert len(conversation.llm.replies) == before + 1
+        assert len(engines.llm.of(conversation).replies) == before + 1
     finally:
         sessions.capacity = capacity
         await caller.leave()

@@ -4,11 +4,11 @@ import asyncio
 
 import pytest
 
-from agent.local_session import LocalSession
+from harness.local_session import LocalSession
 from services.llm import TransformersLLMEngine
 from services.stt import WhisperEngine
 from services.tts_piper import PiperEngine
-from tests.speech import normalize, wer
+from harness.speech import normalize, wer
 
 BOT_RATE = 24000  # the pipeline's output rate
 
@@ -46,7 +46,7 @@ def user_messages(session: LocalSession) -> list[str]:
 
 
 async def check_two_turns(session: LocalSession, engines, say, turns: list[str]):
-    llm = session.conversation.llm
+    llm = engines.llm.of(session.conversation)
     await session.silence(0.5)
     for i, text in enumerate(turns):
         _, bot_audio = await user_turn(session, say, text)
@@ -61,7 +61,7 @@ async def check_two_turns(session: LocalSession, engines, say, turns: list[str])
         spoken = await engines.stt.transcribe(bot_audio, BOT_RATE)
         assert wer(llm.replies[-1], spoken.text) <= 0.35, (llm.replies[-1], spoken.text)
     # The second request carried the first exchange.
-    second_prompt = session.conversation.llm.prompts[1]
+    second_prompt = engines.llm.of(session.conversation).prompts[1]
     assert {"role": "user", "content": user_messages(session)[0]} in second_prompt
     assert {"role": "assistant", "content": llm.replies[0].strip()} in [
         {"role": m["role"], "content": m["content"].strip()} for m in second_prompt
@@ -73,7 +73,7 @@ async def test_two_turn_conversation(engines, settings, say):
         await check_two_turns(
             session, engines, say, ["What is the capital of France?", "And what is the capital of Germany?"]
         )
-    turns = session.conversation.turns.turns
+    turns = session.turn_log.turns
     assert len(turns) == 2 and all(t.voice_to_voice and t.voice_to_voice > 0 for t in turns)
 
 
@@ -91,7 +91,7 @@ async def test_two_conversations_share_one_copy_of_each_model(engines, settings,
         assert session.conversation.tts._engine is engines.tts
     # Every request went to the one shared engine: at least one per turn, more when a pause
     # was answered speculatively and the speculation was withdrawn.
-    requests = len(a.conversation.llm.prompts) + len(b.conversation.llm.prompts)
+    requests = len(engines.llm.of(a.conversation).prompts) + len(engines.llm.of(b.conversation).prompts)
     assert requests >= 4
     assert engines.llm.stats.started - started == requests
     assert user_messages(a) != user_messages(b)
@@ -111,14 +111,14 @@ async def test_interruption_stops_audio_cancels_llm_and_cuts_context(engines, se
         await wait_for_speech(session, after=session.now())
 
     conversation = session.conversation
-    cut_in = conversation.turns.user_turn_started_at[-1]
+    cut_in = session.turn_log.user_turn_started_at[-1]
     # Audio that started after the cut-in, before any answer to it could exist.
     late = [c.started_at - cut_in for c in session.played if cut_in < c.started_at < cut_in + 1.0]
     assert not late or max(late) <= 0.3, f"bot audio went on {max(late):.2f}s after the user cut in"
 
     # The engine cancelled the unfinished request.
     assert engines.llm.stats.cancelled > cancelled_before
-    full_story = conversation.llm.replies[0]
+    full_story = engines.llm.of(conversation).replies[0]
     assistant = [m["content"] for m in conversation.context.get_messages() if m["role"] == "assistant"]
     heard_story = assistant[0]
     assert 0 < len(heard_story) < len(full_story), (heard_story, full_story)
@@ -130,7 +130,7 @@ async def test_interruption_stops_audio_cancels_llm_and_cuts_context(engines, se
     assert abs(len(spoken.text.split()) - len(heard_story.split())) <= 3, (heard_story, spoken.text)
     # And the conversation went on: the new question was heard and the bot answered it aloud.
     assert "cats" in user_messages(session)[-1].lower()
-    assert "cats" in conversation.llm.prompts[-1][-1]["content"].lower()
+    assert "cats" in engines.llm.of(conversation).prompts[-1][-1]["content"].lower()
 
 
 if __name__ == "__main__":

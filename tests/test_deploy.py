@@ -13,8 +13,8 @@ import yaml
 
 from agent.config import Settings
 from agent.download import hub_models
-from agent.livekit_server import CONFIG as LIVEKIT_FIXTURE_CONFIG
-from agent.server import create_app
+from agent.livekit_dev_server import CONFIG as LIVEKIT_FIXTURE_CONFIG
+from agent.app import create_app
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"

@@ -9,11 +9,11 @@ from loguru import logger
 from pipecat.audio.vad.vad_analyzer import VADParams, VADState
 from pipecat.frames.frames import FilterEnableFrame
 
-from frames.echo import EchoCancellingFilter
-from frames.turn_models import SharedSileroVADAnalyzer
+from frames.turn_taking.echo import EchoCancellingFilter
+from frames.turn_taking.turn_models import SharedSileroVADAnalyzer
 from services.audio import AudioFormatError
 from services.echo import EchoCanceller
-from tests.speech import wer
+from harness.speech import wer
 
 MIC_RATE = 16000
 PLAYBACK_RATE = 24000  # the pipeline's output rate; Piper's 22050 Hz is resampled to it

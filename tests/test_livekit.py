@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from livekit import api, rtc
 
-from agent.livekit_caller import SAMPLE_RATE, LiveKitCaller
-from tests.livekit_fixtures import API_KEY
-from tests.speech import wer
+from harness.livekit_caller import SAMPLE_RATE, LiveKitCaller
+from harness.fixtures import API_KEY
+from harness.speech import wer
 
 VOICE_RMS = 300.0  # PCM16 RMS above which received audio counts as the agent speaking
 
@@ -72,7 +72,7 @@ async def ask(agent, caller: LiveKitCaller, room: str, say, question: str, engin
     conversation = agent.app.state.sessions.get(room)
     heard = [m["content"] for m in conversation.context.get_messages() if m["role"] == "user"][-1]
     assert wer(question, heard) <= 0.25, (question, heard)
-    reply = conversation.llm.replies[-1]
+    reply = engines.llm.of(conversation).replies[-1]
     spoken = await engines.stt.transcribe(caller.audio(start=ended), SAMPLE_RATE)
     assert wer(reply, spoken.text) <= 0.35, (reply, spoken.text)
 
@@ -148,7 +148,7 @@ async def test_leaving_mid_answer_ends_only_that_session(live_agent, engines, sa
         while leave_room in live_agent.app.state.sessions:
             assert time.monotonic() < deadline, "the session of the participant who left did not end"
             await asyncio.sleep(0.1)
-        assert engines.llm.active_requests == 0
+        assert engines.llm.in_flight == 0
 
         # The other room is undisturbed.
         await stayer.silence(0.5)
@@ -161,7 +161,7 @@ async def test_leaving_mid_answer_ends_only_that_session(live_agent, engines, sa
     assert threading.active_count() <= threads_before, [t.name for t in threading.enumerate()]
 
 
-async def test_keypad_digits_reach_the_conversation(live_agent):
+async def test_keypad_digits_reach_the_conversation(live_agent, engines):
     # The packets livekit-sip turns a caller's RFC 4733 digits into, sent here by a participant.
     caller, room = await join_room(live_agent)
     try:
@@ -171,9 +171,9 @@ async def test_keypad_digits_reach_the_conversation(live_agent):
             await asyncio.sleep(0.2)
         conversation = live_agent.app.state.sessions.get(room)
         deadline = time.monotonic() + 30
-        prompts = conversation.llm.prompts
+        prompts = engines.llm.of(conversation).prompts
         while not any("DTMF: 42#" in message["content"] for prompt in prompts for message in prompt):
-            assert time.monotonic() < deadline, f"the digits never reached the LLM: {conversation.llm.prompts}"
+            assert time.monotonic() < deadline, f"the digits never reached the LLM: {engines.llm.of(conversation).prompts}"
             await caller.silence(0.2)
     finally:
         await caller.leave()

@@ -9,41 +9,36 @@ import torch
 
 from agent.config import Settings
 from agent.engines import Engines, load_tts
-from agent.local_session import LocalSession
+from harness.local_session import LocalSession
 from services.batcher import DynamicBatcher
-from services.orpheus import (
-    AUDIO_BASE,
-    END_OF_HUMAN,
-    END_OF_SPEECH,
-    END_OF_TEXT,
-    START_OF_AI,
-    START_OF_HUMAN,
-    START_OF_SPEECH,
-    OrpheusCodeMask,
-    OrpheusEngine,
-    OrpheusTokenParser,
-    audio_token,
-    max_new_tokens_for,
-    normalize_text,
-    prompt_ids,
-    split_for_speech,
-)
-from services.snac_decoder import SAMPLES_PER_FRAME, SnacDecoder, SnacWindowPlanner
-from tests.orpheus_models import build_random_snac, build_tiny_orpheus_lm, build_tiny_tokenizer, save_tiny_orpheus
+from services.orpheus.engine import OrpheusEngine
+from services.orpheus.text import max_new_tokens_for, normalize_text, prompt_ids, split_for_speech
+from services.orpheus.tokens import AUDIO_BASE, END_OF_HUMAN, END_OF_SPEECH, END_OF_TEXT, START_OF_AI, START_OF_HUMAN, START_OF_SPEECH, OrpheusCodeMask, OrpheusTokenParser, audio_token
+from services.orpheus.snac import SAMPLES_PER_FRAME, SnacDecoder, SnacWindowPlanner
+from harness.orpheus_models import build_random_snac, build_tiny_orpheus_lm, build_tiny_tokenizer, save_tiny_orpheus
 from tests.test_conversation import wait_for_speech
 
 
 @pytest.fixture(scope="module")
 def snac() -> SnacDecoder:
-    decoder = SnacDecoder(build_random_snac(seed=0), max_batch=16, max_wait_ms=5)
+    decoder = SnacDecoder(build_random_snac(seed=0), device="cpu", max_batch=16, max_wait_ms=5)
     yield decoder
     decoder.close()
 
 
 @pytest.fixture(scope="module")
 def orpheus(snac) -> OrpheusEngine:
+    defaults = Settings(_env_file=None, tts_engine="orpheus")
     engine = OrpheusEngine(
-        build_tiny_orpheus_lm(), build_tiny_tokenizer(), snac, kv_cache_tokens=8192, max_batch_tokens=512
+        build_tiny_orpheus_lm(),
+        build_tiny_tokenizer(),
+        snac,
+        voice=defaults.tts_voice,
+        temperature=defaults.tts_temperature,
+        top_p=defaults.tts_top_p,
+        max_streams=defaults.tts_max_streams,
+        kv_cache_tokens=8192,
+        max_batch_tokens=512,
     )
     yield engine
     engine.generator.close()
@@ -225,7 +220,7 @@ async def test_engine_streams_exact_frames_from_generated_tokens(orpheus):
     assert frames > 3 and len(pcm) == frames * SAMPLES_PER_FRAME * 2  # every frame, as PCM16
     # The code mask keeps a sampled stream on the frame grid.
     assert (orpheus.stats.misplaced_tokens, orpheus.stats.rejected_tokens) == (0, 0)
-    assert orpheus.active_requests == 0
+    assert orpheus.in_flight == 0
 
 
 async def test_cancelling_streams_stops_their_generation_and_leaves_others_whole(orpheus):
@@ -254,10 +249,10 @@ async def test_cancelling_streams_stops_their_generation_and_leaves_others_whole
     # At most the window already being decoded comes out after cancel(); no generation continues.
     assert len(chunks_after_cancel) <= 1
     assert orpheus.generator.stats.cancelled == cancelled_before + 2
-    assert orpheus.active_requests == 1  # only the survivor is still generating
+    assert orpheus.in_flight == 1  # only the survivor is still generating
     pcm = await asyncio.wait_for(survivor, timeout=120)
     assert len(pcm) % (SAMPLES_PER_FRAME * 2) == 0 and len(pcm) > 0
-    assert orpheus.active_requests == 0 and orpheus.stats.misplaced_tokens == 0
+    assert orpheus.in_flight == 0 and orpheus.stats.misplaced_tokens == 0
 
 
 async def test_barge_in_cancels_orpheus_in_a_conversation(engines, settings, say, orpheus):
@@ -290,7 +285,7 @@ async def test_real_weight_loading_path(tmp_path):
     try:
         assert isinstance(engine, OrpheusEngine) and engine.voice == "zoe"
         # The weights are the saved ones: same decode as the in-memory model (weight norm folded).
-        reference = SnacDecoder(build_random_snac(seed=0))
+        reference = SnacDecoder(build_random_snac(seed=0), device="cpu", max_batch=1, max_wait_ms=0)
         frames = random_frames(4, seed=9)
         np.testing.assert_allclose(
             engine.snac.decode_utterance(frames), reference.decode_utterance(frames), atol=1e-5

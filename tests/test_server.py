@@ -20,11 +20,11 @@ import soxr
 from aiortc import MediaStreamTrack, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError
 
-from agent.livekit_server import free_port
-from agent.server import create_app
+from agent.livekit_dev_server import free_port
+from agent.app import create_app
 from services.stt import WhisperEngine
 from services.tts_piper import PiperEngine
-from tests.speech import speak_16k
+from harness.speech import speak_16k
 
 REPO = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 180

@@ -12,8 +12,8 @@ from pipecat.frames.frames import (
 from pipecat.observers.base_observer import BaseObserver, FramePushed
 from pipecat.processors.frame_processor import FrameDirection
 
-from agent.local_session import LocalSession
-from tests.speech import normalize, wer
+from harness.local_session import LocalSession
+from harness.speech import normalize, wer
 from tests.test_conversation import BOT_RATE, user_messages
 
 
@@ -64,7 +64,7 @@ async def listen_for_reply(session: LocalSession, *, after: float, quiet: float 
 
 async def check_one_spoken_reply(session: LocalSession, engines, traffic: LLMTraffic, *, after: float):
     """The bot spoke exactly the last request's reply, and the context holds it once."""
-    llm, context = session.conversation.llm, session.conversation.context
+    llm, context = engines.llm.of(session.conversation), session.conversation.context
     assert traffic.responses == [llm.replies[-1]], (traffic.responses, llm.replies)
     # Compared word for word: the context joins the spoken sentences with single spaces.
     assistant = [" ".join(m["content"].split()) for m in context.get_messages() if m["role"] == "assistant"]
@@ -86,7 +86,7 @@ async def test_incomplete_turn_is_answered_by_the_speculative_run(engines, setti
         await session.speak(await say(text))
         ended = session.now()
         await listen_for_reply(session, after=ended)
-    stats, llm = engines.llm.stats, session.conversation.llm
+    stats, llm = engines.llm.stats, engines.llm.of(session.conversation)
 
     # One request, speculative, sent while smart-turn was still waiting for more (its
     # silence timeout is 3 s): it started well before the turn ended, and was not redone.
@@ -117,7 +117,7 @@ async def test_user_resuming_withdraws_the_speculation(engines, settings, say):
         await session.speak(await say(rest))
         ended = session.now()
         await listen_for_reply(session, after=ended)
-    stats, llm = engines.llm.stats, session.conversation.llm
+    stats, llm = engines.llm.stats, engines.llm.of(session.conversation)
 
     # The pause started a speculation on the first words; the user going on withdrew it, and
     # the engine cancelled its request mid-generation. Whatever ran after answered the lot.

@@ -11,11 +11,11 @@ from pydantic import SecretStr
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from agent.livekit_server import free_port
-from agent.server import create_app
+from agent.livekit_dev_server import free_port
+from agent.app import create_app
 from agent.ws_client import OUTPUT_RATE, VoiceClient
-from tests.livekit_fixtures import serving
-from tests.speech import normalize, wer
+from harness.fixtures import serving
+from harness.speech import normalize, wer
 from tests.test_concurrency import QUESTIONS
 
 API_KEY = "ws-test-key"

@@ -17,10 +17,10 @@ import pytest
 from pydantic import SecretStr
 
 from agent.config import Settings
-from agent.livekit_caller import LiveKitCaller
-from agent.livekit_server import DEV_API_KEY, DEV_API_SECRET
-from agent.server import user_token
-from tests.speech import normalize
+from harness.livekit_caller import LiveKitCaller
+from agent.livekit_dev_server import DEV_API_KEY, DEV_API_SECRET
+from agent.transports.livekit import user_token
+from harness.speech import normalize
 
 AGENT_NAME = "fleet-test"  # not the in-process agent's name: only these workers take these rooms
 DRAIN_GRACE_SECS = 30

@@ -7,7 +7,7 @@ import numpy as np
 import soxr
 from pipecat.frames.frames import InputAudioRawFrame
 
-from agent.local_session import LocalSession
+from harness.local_session import LocalSession
 
 RATE = 16000
 STEP = RATE // 50  # 20 ms, like a browser's microphone

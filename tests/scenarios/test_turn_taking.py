@@ -5,9 +5,9 @@ import asyncio
 import numpy as np
 import pytest
 
-from agent.local_session import LocalSession
+from harness.local_session import LocalSession
 from tests.scenarios.microphone import RATE, Microphone, noise_burst, samples
-from tests.speech import normalize, wer
+from harness.speech import normalize, wer
 
 LONG_QUESTION = "Tell me a long story about a dragon and a brave knight."
 STOP_WITHIN = 0.3  # seconds from the user's first sound to the end of the agent's audio
@@ -115,7 +115,7 @@ async def check_reply_goes_on(session: LocalSession, engines, say, sound: np.nda
     assert engines.llm.stats.cancelled == cancelled, "the reply was cancelled"
     assert len(user_messages(session)) == 1, user_messages(session)
     # The whole story was played and is in the context, and the agent did not go quiet on the way.
-    assert normalize(assistant_messages(session)[-1]) == normalize(conversation.llm.replies[-1])
+    assert normalize(assistant_messages(session)[-1]) == normalize(engines.llm.of(conversation).replies[-1])
     assert gap < 2.0, f"the agent went quiet for {gap:.2f}s"
     return sound_at, resumed
 
@@ -192,7 +192,7 @@ async def test_6_its_own_echo_does_not_interrupt_the_agent(engines, speakerphone
     FIGURES["6 echo"] = {"pauses": playback.pauses, "reply_s": spans(session, asked)[-1][1] - spans(session, asked)[0][0]}
     assert engines.llm.stats.cancelled == cancelled and len(user_messages(session)) == 1, user_messages(session)
     assert playback.pauses == 0, "the agent's own voice paused it"
-    assert normalize(assistant_messages(session)[-1]) == normalize(session.conversation.llm.replies[-1])
+    assert normalize(assistant_messages(session)[-1]) == normalize(engines.llm.of(session.conversation).replies[-1])
 
 
 async def test_7_a_real_interruption_over_the_echo_still_stops_it(engines, speakerphone, say):

@@ -10,8 +10,8 @@ from snac import SNAC
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from services.orpheus import END_OF_SPEECH, PAD
-from services.snac_decoder import SNAC_24KHZ_CONFIG
+from services.orpheus.tokens import END_OF_SPEECH, PAD
+from services.orpheus.snac import SNAC_24KHZ_CONFIG
 
 ORPHEUS_VOCAB = 156940  # Llama-3's 128256 + Orpheus' added tokens, as in canopylabs/orpheus-3b-0.1-ft
 

@@ -6,7 +6,7 @@ import time
 from loguru import logger
 
 from agent.config import Settings
-from agent.pipeline import Conversation
+from agent.conversation import Conversation
 
 LLM_TOKENS_PER_SESSION = 2048  # context + reply a conversation may hold in the LLM's KV cache
 

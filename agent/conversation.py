@@ -1,10 +1,9 @@
-"""Assembles one conversation: a transport plus the shared engines → a Pipecat pipeline worker."""
+"""One conversation: a transport plus the shared engines assembled into a Pipecat pipeline, and how it runs."""
 
 import asyncio
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
 
 from loguru import logger
 from pipecat.audio.vad.vad_analyzer import VADParams
@@ -26,23 +25,19 @@ from pipecat.workers.runner import WorkerRunner
 
 from agent.config import Settings
 from agent.engines import Engines
-from agent.turn_metrics import TurnMetricsObserver
-
-if TYPE_CHECKING:
-    from agent.metrics import AgentMetrics
+from agent.turn_metrics import ConversationMetrics, TurnMetricsObserver
 from frames.audio_guard import InputAudioGuard
-from frames.barge_in import BargeInPolicy, BargeInTurnStartStrategy
-from frames.echo import EchoCancellingFilter
+from frames.turn_taking.barge_in import BargeInPolicy, BargeInTurnStartStrategy
+from frames.turn_taking.echo import EchoCancellingFilter
 from frames.llm import TransformersLLMService
-from frames.playback import PlaybackGate
+from frames.turn_taking.playback import PlaybackGate
 from frames.stt import WhisperSTTService
 from frames.tts import LocalTTSService
-from frames.turn_models import SharedSileroVADAnalyzer, SharedSmartTurnAnalyzer
-from frames.turn_stop import SpeculativeTurnStopStrategy
+from frames.turn_taking.turn_models import SharedSileroVADAnalyzer, SharedSmartTurnAnalyzer
+from frames.turn_taking.turn_stop import SpeculativeTurnStopStrategy
+from services.audio import INPUT_SAMPLE_RATE, OUTPUT_SAMPLE_RATE
 from services.echo import EchoCanceller
 
-AUDIO_IN_SAMPLE_RATE = 16000  # what Silero, smart-turn and Whisper all want
-AUDIO_OUT_SAMPLE_RATE = 24000  # Orpheus' native rate; transports resample for their codec
 REPLY_QUIET_SECS = 2.5  # longer than the gap between two sentences of a reply on a busy CPU
 
 # Builds the conversation's transport from the audio settings every transport shares (filters,
@@ -67,6 +62,12 @@ class Conversation:
     assistant_aggregator: LLMAssistantAggregator
     turns: TurnMetricsObserver
     greeting: str = ""
+    # Coroutines that run alongside the pipeline and are cancelled when it ends (see `background`).
+    chores: list[Coroutine] = field(default_factory=list)
+
+    def background(self, chore: Coroutine) -> None:
+        """Run `chore` while the conversation runs (e.g. ending it when the worker drains)."""
+        self.chores.append(chore)
 
     def replying(self, quiet_secs: float = REPLY_QUIET_SECS) -> bool:
         """Whether the agent is giving a reply: generating it, or it played or generated something
@@ -106,12 +107,13 @@ def build_conversation(
     engines: Engines,
     settings: Settings,
     *,
-    metrics: "AgentMetrics | None" = None,
-    observers: list[BaseObserver] | None = None,
+    metrics: Sequence[ConversationMetrics] = (),
+    observers: Sequence[BaseObserver] = (),
 ) -> Conversation:
+    """The pipeline of one conversation; `metrics` receive its turns, errors and TTS timings."""
     # The echo canceller hears what the speaker plays (the output filter hands it every chunk)
     # and removes it from the microphone (the input filter) before VAD and STT see it.
-    canceller = EchoCanceller(AUDIO_IN_SAMPLE_RATE) if settings.echo_cancellation else None
+    canceller = EchoCanceller(INPUT_SAMPLE_RATE) if settings.echo_cancellation else None
     playback = PlaybackGate(on_played=canceller.playback if canceller else None)
     audio = {
         "audio_in_enabled": True,
@@ -156,15 +158,20 @@ def build_conversation(
             ),
         ),
     )
-    guard = InputAudioGuard(on_drop=(lambda kind: metrics.count_error("audio_input")) if metrics else None)
+    def on_audio_dropped(kind: str) -> None:
+        for sink in metrics:
+            sink.count_error("audio_input")
+
+    def on_sentence(audio_seconds: float, wall_seconds: float) -> None:
+        for sink in metrics:
+            sink.observe_tts_sentence(audio_seconds, wall_seconds)
+
+    guard = InputAudioGuard(on_drop=on_audio_dropped)
     stt = WhisperSTTService(engines.stt)
     llm = TransformersLLMService(
         engines.llm, system_prompt=settings.system_prompt, max_tokens=settings.llm_max_new_tokens
     )
-    tts = LocalTTSService(
-        engines.tts,
-        on_sentence=(lambda audio, wall: metrics.tts_realtime_factor.observe(wall / audio)) if metrics else None,
-    )
+    tts = LocalTTSService(engines.tts, on_sentence=on_sentence)
     pipeline = Pipeline(
         [
             transport.input(),
@@ -182,13 +189,13 @@ def build_conversation(
         ]
     )
     turns = TurnMetricsObserver(metrics)
-    if metrics is not None:
-        metrics.sessions_started.inc()
+    for sink in metrics:
+        sink.count_session_started()
     worker = PipelineWorker(
         pipeline,
         params=PipelineParams(
-            audio_in_sample_rate=AUDIO_IN_SAMPLE_RATE,
-            audio_out_sample_rate=AUDIO_OUT_SAMPLE_RATE,
+            audio_in_sample_rate=INPUT_SAMPLE_RATE,
+            audio_out_sample_rate=OUTPUT_SAMPLE_RATE,
             enable_metrics=True,
             enable_usage_metrics=True,
         ),
@@ -218,10 +225,13 @@ async def run_conversation(conversation: Conversation, name: str) -> None:
     """
     runner = WorkerRunner(handle_sigint=False)  # the server owns the process' signals
     logger.info(f"conversation {name} started")
+    chores = [asyncio.create_task(chore) for chore in conversation.chores]
     try:
         await runner.add_workers(conversation.worker)
         await runner.run()
     except Exception:
         logger.exception(f"conversation {name} failed")
     finally:
+        for chore in chores:
+            chore.cancel()
         logger.info(f"conversation {name} ended")

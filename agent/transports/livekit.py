@@ -1,20 +1,23 @@
-"""LiveKit dispatch: an AgentServer that runs one Pipecat conversation per room, all on the shared engines."""
+"""LiveKit rooms: the agent worker (one conversation per dispatched room, all on the shared engines), its tokens and `/api/session`."""
 
 import asyncio
 import os
+import secrets
 import socket
 import time
+from datetime import timedelta
 
+from fastapi import FastAPI, Header
 from livekit import api
 from livekit.agents import AgentServer, JobContext, JobExecutorType, JobRequest
 from loguru import logger
 from pipecat.transports.livekit.transport import LiveKitParams, LiveKitTransport
 
 from agent.config import Settings
+from agent.conversation import Conversation, build_conversation
 from agent.engines import Engines
-from agent.metrics import AgentMetrics
-from agent.pipeline import build_conversation, run_conversation
-from agent.sessions import SessionRegistry
+from agent.server.admission import Admission
+from agent.server.sessions import SessionRegistry
 
 
 WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
@@ -34,10 +37,27 @@ def agent_token(settings: Settings, room: str, identity: str) -> str:
     )
 
 
-def create_agent_server(
-    settings: Settings, engines: Engines, sessions: SessionRegistry, metrics: AgentMetrics | None = None
-) -> AgentServer:
+def user_token(settings: Settings, room: str, identity: str) -> str:
+    """A browser's token: joins this one room only, expires soon, and dispatches our agent into it."""
+    return (
+        api.AccessToken(settings.livekit_api_key, settings.livekit_api_secret.get_secret_value())
+        .with_identity(identity)
+        .with_ttl(timedelta(seconds=settings.session_token_ttl_secs))
+        .with_grants(
+            api.VideoGrants(
+                room_join=True, room=room, can_publish=True, can_subscribe=True, can_publish_data=True
+            )
+        )
+        .with_room_config(
+            api.RoomConfiguration(agents=[api.RoomAgentDispatch(agent_name=settings.agent_name)])
+        )
+        .to_jwt()
+    )
+
+
+def create_agent_server(engines: Engines, admission: Admission) -> AgentServer:
     """An AgentServer whose jobs all run in this process (THREAD executor) and share `engines`."""
+    settings, sessions = admission.settings, admission.sessions
     server = AgentServer(
         ws_url=settings.livekit_url,
         api_key=settings.livekit_api_key,
@@ -56,8 +76,7 @@ def create_agent_server(
     async def on_request(request: JobRequest) -> None:
         if sessions.full:
             logger.warning(f"refusing room {request.room.name}: {sessions.active}/{sessions.capacity} sessions")
-            if metrics is not None:
-                metrics.sessions_refused.labels(transport="livekit").inc()
+            admission.metrics.sessions_refused.labels(transport="livekit").inc()
             await request.reject()
             return
         await request.accept(identity=f"{settings.agent_name}-{request.job.id}")
@@ -70,23 +89,17 @@ def create_agent_server(
             ctx.shutdown("over capacity")
             return
         try:
-            await run_room(ctx, room, settings, engines, sessions, metrics)
+            await admission.serve(room, lambda: room_conversation(ctx, room, engines, admission))
         finally:
-            sessions.release(room)
             ctx.shutdown("conversation ended")
 
     return server
 
 
-async def run_room(
-    ctx: JobContext,
-    room: str,
-    settings: Settings,
-    engines: Engines,
-    sessions: SessionRegistry,
-    metrics: AgentMetrics | None = None,
-) -> None:
-    """One conversation in one room; returns when the user leaves or the job is shut down."""
+def room_conversation(ctx: JobContext, room: str, engines: Engines, admission: Admission) -> Conversation:
+    """The conversation of one room: it greets the first participant and ends when the last one
+    leaves, when the job is shut down, or after its current reply when the worker drains."""
+    settings, sessions = admission.settings, admission.sessions
     identity = f"{settings.agent_name}-{ctx.job.id}"
     conversation = build_conversation(
         lambda audio: LiveKitTransport(
@@ -99,10 +112,9 @@ async def run_room(
         ),
         engines,
         settings,
-        metrics=metrics,
+        metrics=[admission.metrics],
     )
     transport = conversation.transport
-    sessions.attach(room, conversation)
 
     @transport.event_handler("on_first_participant_joined")
     async def _on_joined(_transport, _participant_id):
@@ -126,11 +138,8 @@ async def run_room(
         await conversation.end_after_reply(timeout=left, reason="the worker is draining")
 
     ctx.add_shutdown_callback(lambda: end("job shut down"))
-    draining = asyncio.create_task(end_when_draining())
-    try:
-        await run_conversation(conversation, f"in room {room}")
-    finally:
-        draining.cancel()
+    conversation.background(end_when_draining())
+    return conversation
 
 
 async def drain(server: AgentServer, sessions: SessionRegistry, grace_secs: float) -> None:
@@ -143,3 +152,50 @@ async def drain(server: AgentServer, sessions: SessionRegistry, grace_secs: floa
         await server.drain(timeout=grace_secs)
     except TimeoutError:
         logger.warning(f"draining: {sessions.active} conversations still running after {grace_secs:.0f} s")
+
+
+class LiveKitRooms:
+    """LiveKit inside `voice-agent serve`: the agent worker on this process' engines (one copy of
+    the models) and `POST /api/session`, which hands a browser a room and a token for it."""
+
+    def __init__(self, admission: Admission):
+        self._admission = admission
+        self.agent_server: AgentServer | None = None
+        self._worker: asyncio.Task | None = None
+
+    def add_routes(self, app: FastAPI) -> None:
+        app.add_api_route("/api/session", self.new_session, methods=["POST"])
+
+    @property
+    def worker_id(self) -> str | None:
+        """The worker id LiveKit gave us, "unregistered" until then, None until started."""
+        return self.agent_server.id if self.agent_server is not None else None
+
+    def start(self, engines: Engines) -> None:
+        self.agent_server = create_agent_server(engines, self._admission)
+        self._worker = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        try:
+            await self.agent_server.run()
+        except asyncio.CancelledError:
+            await self.agent_server.aclose()
+            raise
+        except Exception:
+            logger.exception("the LiveKit worker stopped; no new rooms will be served")
+
+    async def stop(self) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+            await asyncio.gather(self._worker, return_exceptions=True)
+
+    async def new_session(self, authorization: str | None = Header(None)):
+        """A fresh LiveKit room and a short-lived token for it that dispatches the agent."""
+        settings = self._admission.settings
+        self._admission.check("livekit", authorization)
+        room = f"voice-{secrets.token_hex(8)}"
+        return {
+            "url": settings.livekit_public_url or settings.livekit_url,
+            "token": user_token(settings, room, identity=f"user-{secrets.token_hex(4)}"),
+            "room": room,
+        }

@@ -9,8 +9,8 @@ import pytest
 import uvicorn
 from pydantic import SecretStr
 
-from agent.livekit_server import DEV_API_KEY, DEV_API_SECRET, LiveKitServerProcess, free_port
-from agent.server import create_app
+from agent.livekit_dev_server import DEV_API_KEY, DEV_API_SECRET, LiveKitServerProcess, free_port
+from agent.app import create_app
 
 API_KEY = "test-api-key"
 
@@ -48,7 +48,7 @@ async def live_agent(livekit_url, engines, settings):
     app = create_app(agent_settings, engines)
     async with serving(app, agent_settings.port):
         deadline = time.monotonic() + 30
-        while app.state.agent_server is None or app.state.agent_server.id == "unregistered":
+        while app.state.livekit.worker_id in (None, "unregistered"):
             assert time.monotonic() < deadline, "the LiveKit worker never registered"
             await asyncio.sleep(0.1)
         yield LiveAgent(f"http://127.0.0.1:{agent_settings.port}", livekit_url, app)

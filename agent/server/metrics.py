@@ -1,11 +1,13 @@
 """Prometheus metrics of one agent process: turn latencies, errors, sessions and engine load, served at /metrics."""
 
+from collections.abc import Callable
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from agent.engines import Engines
-from agent.sessions import SessionRegistry
+from agent.server.sessions import SessionRegistry
 from agent.turn_metrics import TurnLatency
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 8.0, 13.0)
@@ -18,11 +20,11 @@ __all__ = ["AgentMetrics", "CONTENT_TYPE_LATEST"]
 class AgentMetrics:
     """Everything /metrics reports. One per process (tests make one per app: separate registries).
 
-    Per-turn figures are pushed by each conversation (`observe_turn`, `count_error`, ...);
+    Per-turn figures are pushed by each conversation (it is their `ConversationMetrics`);
     engine and session state is read when scraped, so idle engines cost nothing.
     """
 
-    def __init__(self, sessions: SessionRegistry, engines_of=lambda: None):
+    def __init__(self, sessions: SessionRegistry, engines_of: Callable[[], Engines | None] = lambda: None):
         self.registry = CollectorRegistry()
         stage = dict(registry=self.registry, buckets=LATENCY_BUCKETS)
         self.stt_seconds = Histogram("voice_agent_stt_seconds", "End of speech to final transcript.", **stage)
@@ -72,6 +74,15 @@ class AgentMetrics:
     def count_error(self, kind: str) -> None:
         self.errors.labels(kind=kind).inc()
 
+    def count_underrun(self) -> None:
+        self.audio_underruns.inc()
+
+    def observe_tts_sentence(self, audio_seconds: float, wall_seconds: float) -> None:
+        self.tts_realtime_factor.observe(wall_seconds / audio_seconds)
+
+    def count_session_started(self) -> None:
+        self.sessions_started.inc()
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -87,26 +98,23 @@ class _EngineCollector(Collector):
         yield _gauge("voice_agent_sessions_active", "Conversations running.", self._sessions.active)
         yield _gauge("voice_agent_sessions_capacity", "Conversations this process takes.", self._sessions.capacity)
         yield _gauge("voice_agent_load", "Load reported to LiveKit (active / capacity).", self._sessions.load)
-        engines: Engines | None = self._engines_of()
-        if engines is None or not getattr(engines, "ready", False):
+        engines = self._engines_of()
+        if engines is None or not engines.ready:
             return
         queued = GaugeMetricFamily(
             "voice_agent_engine_queue_depth", "Requests waiting for or inside an engine.", labels=["engine"]
         )
-        queued.add_metric(["stt"], engines.stt.in_flight)
-        queued.add_metric(["llm"], engines.llm.active_requests)
-        tts = engines.tts
-        queued.add_metric(["tts"], getattr(tts, "active_requests", getattr(tts, "in_flight", 0)))
-        snac = getattr(tts, "snac", None)
-        if snac is not None:
-            queued.add_metric(["snac"], snac.batcher.queue_depth)
+        for stage, engine in engines.by_stage().items():
+            queued.add_metric([stage], engine.in_flight)
+        for name, batcher in engines.batchers().items():
+            queued.add_metric([name], batcher.queue_depth)
         yield queued
         requests = CounterMetricFamily("voice_agent_llm_requests", "LLM requests by outcome.", labels=["outcome"])
-        for outcome in ("started", "finished", "cancelled", "failed"):
-            requests.add_metric([outcome], getattr(engines.llm.stats, outcome))
+        for outcome, count in vars(engines.llm.stats).items():
+            requests.add_metric([outcome], count)
         yield requests
-        if snac is not None:
-            yield _batch_sizes("snac", snac.batcher.stats.batch_sizes)
+        for name, batcher in engines.batchers().items():
+            yield _batch_sizes(name, batcher.stats.batch_sizes)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

@@ -13,6 +13,8 @@ from pipecat.turns.types import ProcessFrameResult, UserTurnSpeculation
 from pipecat.turns.user_stop import NormalizedMatch, TurnAnalyzerUserTurnStopStrategy
 from pipecat.utils.string import TextPartForConcatenation, concatenate_aggregated_text
 
+from frames.pipecat_internals import turn_stop_state
+
 # Longest wait for one speech segment's transcript (Whisper's p99 is ~0.9 s on 2 busy cores).
 # A segment Whisper hears no words in never gets one; after this the turn goes on without it.
 TRANSCRIPT_WAIT_SECS = 2.0
@@ -59,13 +61,14 @@ class SpeculativeTurnStopStrategy(TurnAnalyzerUserTurnStopStrategy):
         result = await super().process_frame(frame)
         if self._stop_held and not self._awaiting_transcript():  # it never came
             await self._maybe_trigger_user_turn_stopped()
+        turn = turn_stop_state(self)
         if (
             self._speculate
             and self._speculation is None
-            and self._vad_stopped
-            and not self._vad_user_speaking
-            and not self._turn_complete  # a complete turn runs the LLM at once, as before
-            and self._transcript_finalized
+            and turn["vad_stopped"]
+            and not turn["user_speaking"]
+            and not turn["turn_complete"]  # a complete turn runs the LLM at once, as before
+            and turn["transcript_finalized"]
             and self._parts
             and not self._awaiting_transcript()
         ):
@@ -74,8 +77,9 @@ class SpeculativeTurnStopStrategy(TurnAnalyzerUserTurnStopStrategy):
             await self.trigger_user_turn_inference_triggered(speculation=self._speculation)
         return result
 
+    # Overrides a protected hook (see frames/pipecat_internals.py): the last moment to hold the stop.
     async def _maybe_trigger_user_turn_stopped(self):
-        self._stop_held = self._turn_complete and self._awaiting_transcript()
+        self._stop_held = turn_stop_state(self)["turn_complete"] and self._awaiting_transcript()
         if not self._stop_held:
             await super()._maybe_trigger_user_turn_stopped()
 
@@ -92,6 +96,7 @@ class SpeculativeTurnStopStrategy(TurnAnalyzerUserTurnStopStrategy):
             await self.trigger_user_turn_speculation_cancelled()
         await super().trigger_user_turn_stopped(enable_user_speaking_frames=enable_user_speaking_frames)
 
+    # Overrides a protected hook (see frames/pipecat_internals.py).
     async def _reset(self):
         # Runs at both turn boundaries; a speculation still open here (stop watchdog,
         # interruption, session end) would otherwise be held by the gate for good.

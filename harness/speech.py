@@ -6,6 +6,7 @@ import jiwer
 import numpy as np
 import soxr
 
+from services.audio import INPUT_SAMPLE_RATE
 from services.tts_piper import PiperEngine
 
 
@@ -13,7 +14,7 @@ async def speak_16k(tts: PiperEngine, text: str) -> bytes:
     """`text` spoken by Piper as mono PCM16 at 16 kHz, the rate a microphone transport delivers."""
     pcm = await tts.synthesize(text)
     audio = np.frombuffer(pcm, dtype=np.int16).astype(np.float32)
-    return soxr.resample(audio, tts.sample_rate, 16000).astype(np.int16).tobytes()
+    return soxr.resample(audio, tts.sample_rate, INPUT_SAMPLE_RATE).astype(np.int16).tobytes()
 
 
 def normalize(text: str) -> str:

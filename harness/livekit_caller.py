@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 import numpy as np
 from livekit import rtc
 
-SAMPLE_RATE = 16000
+from services.audio import INPUT_SAMPLE_RATE
+
+SAMPLE_RATE = INPUT_SAMPLE_RATE
 FRAME_SAMPLES = SAMPLE_RATE // 50  # 20 ms, like a browser's microphone
 
 

@@ -1,24 +1,34 @@
-"""A conversation driven from Python over the in-memory transport (tests, benchmarks, scripted demos)."""
+"""A conversation driven from Python over the in-memory transport (tests, benchmarks)."""
 
 import asyncio
 
 from pipecat.frames.frames import InputAudioRawFrame
 
 from agent.config import Settings
+from agent.conversation import Conversation, build_conversation, run_conversation
 from agent.engines import Engines
-from agent.memory_transport import MemoryTransport, PlayedChunk
-from agent.metrics import AgentMetrics
-from agent.pipeline import Conversation, build_conversation, run_conversation
+from agent.transports.memory import MemoryTransport, PlayedChunk
+from agent.turn_metrics import ConversationMetrics
+from harness.observe import TurnLog
+from services.audio import INPUT_SAMPLE_RATE
 
 
 class LocalSession:
     """`async with LocalSession(engines, settings) as s: await s.speak(pcm16_16k)`.
 
-    The user's audio goes in at real-time pace; what the bot played is in `s.played`.
+    The user's audio goes in at real-time pace; what the bot played is in `s.played`, its turns
+    in `s.turn_log`.
     """
 
-    def __init__(self, engines: Engines, settings: Settings, *, metrics: AgentMetrics | None = None):
-        self.conversation: Conversation = build_conversation(MemoryTransport, engines, settings, metrics=metrics)
+    def __init__(self, engines: Engines, settings: Settings, *, metrics: ConversationMetrics | None = None):
+        self.turn_log = TurnLog()
+        self.conversation: Conversation = build_conversation(
+            MemoryTransport,
+            engines,
+            settings,
+            metrics=[self.turn_log, *([metrics] if metrics is not None else [])],
+            observers=[self.turn_log],
+        )
         self.transport: MemoryTransport = self.conversation.transport
         self._task: asyncio.Task | None = None
 
@@ -44,7 +54,7 @@ class LocalSession:
         """Pipeline clock, seconds: the time base of `played` and the turn metrics."""
         return self.transport.output().get_clock().get_time() / 1e9
 
-    async def speak(self, pcm: bytes, sample_rate: int = 16000) -> None:
+    async def speak(self, pcm: bytes, sample_rate: int = INPUT_SAMPLE_RATE) -> None:
         await self.transport.input().speak(pcm, sample_rate)
 
     async def silence(self, seconds: float) -> None:

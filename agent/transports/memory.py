@@ -1,4 +1,4 @@
-"""An in-process transport: the microphone is a coroutine call, the speaker a list (tests, benchmarks)."""
+"""An in-process transport: the microphone is a coroutine call, the speaker a list (tests, benchmarks, scripted use)."""
 
 import asyncio
 import time
@@ -9,6 +9,8 @@ from pipecat.processors.frame_processor import FrameProcessor
 from pipecat.transports.base_input import BaseInputTransport
 from pipecat.transports.base_output import BaseOutputTransport
 from pipecat.transports.base_transport import BaseTransport, TransportParams
+
+from services.audio import INPUT_SAMPLE_RATE
 
 FRAME_MS = 20
 
@@ -45,7 +47,7 @@ class MemoryInput(BaseInputTransport):
             if realtime:
                 await asyncio.sleep(max(0.0, started + (i + 1) * FRAME_MS / 1000 - time.monotonic()))
 
-    async def silence(self, seconds: float, sample_rate: int = 16000) -> None:
+    async def silence(self, seconds: float, sample_rate: int = INPUT_SAMPLE_RATE) -> None:
         await self.speak(b"\x00\x00" * int(seconds * sample_rate), sample_rate)
 
 

@@ -17,7 +17,7 @@ from pipecat.frames.frames import (
 from pipecat.turns.types import ProcessFrameResult
 from pipecat.turns.user_start.base_user_turn_start_strategy import BaseUserTurnStartStrategy
 
-from frames.playback import PlaybackGate
+from frames.turn_taking.playback import PlaybackGate
 
 # Sounds a listener makes without taking the turn. Whisper also writes "you" and "thank you" for
 # breath, clicks and echo residue it cannot place, so those are not a barge-in either.

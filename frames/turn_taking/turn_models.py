@@ -6,8 +6,10 @@ from importlib.resources import files
 import onnxruntime as ort
 from pipecat.audio.turn.smart_turn.base_smart_turn import BaseSmartTurn
 from pipecat.audio.turn.smart_turn.local_smart_turn_v3 import LocalSmartTurnAnalyzerV3
-from pipecat.audio.vad.silero import SileroOnnxModel, SileroVADAnalyzer
+from pipecat.audio.vad.silero import SileroVADAnalyzer
 from pipecat.audio.vad.vad_analyzer import VADAnalyzer, VADParams
+
+from frames.pipecat_internals import silero_model_on, use_smart_turn_session
 
 _sessions: dict[str, ort.InferenceSession] = {}
 _lock = threading.Lock()
@@ -35,10 +37,7 @@ class SharedSileroVADAnalyzer(SileroVADAnalyzer):
 
     def __init__(self, *, sample_rate: int | None = None, params: VADParams | None = None):
         VADAnalyzer.__init__(self, sample_rate=sample_rate, params=params)  # not the parent: it loads a model
-        self._model = SileroOnnxModel.__new__(SileroOnnxModel)
-        self._model.session = _session(str(files("pipecat.audio.vad.data") / "silero_vad.onnx"))
-        self._model.sample_rates = [8000, 16000]
-        self._model.reset_states()
+        self._model = silero_model_on(_session(str(files("pipecat.audio.vad.data") / "silero_vad.onnx")))
         self._windows_since_reset = 0
         self._low_confidence_windows = 0
 
@@ -48,5 +47,6 @@ class SharedSmartTurnAnalyzer(LocalSmartTurnAnalyzerV3):
 
     def __init__(self, **kwargs):
         BaseSmartTurn.__init__(self, **kwargs)  # not the parent: it loads a model
-        self._log_data = False
-        self._session = _session(str(files("pipecat.audio.turn.smart_turn.data") / "smart-turn-v3.2-cpu.onnx"))
+        use_smart_turn_session(
+            self, _session(str(files("pipecat.audio.turn.smart_turn.data") / "smart-turn-v3.2-cpu.onnx"))
+        )

@@ -1,6 +1,7 @@
-"""The `/ws` wire protocol: raw PCM16 audio as binary messages, JSON control messages as text."""
+"""WebSocket (`WS /ws`): one conversation per connection; the wire protocol (PCM16 binary, JSON text) is `PCMJsonSerializer`."""
 
 import json
+import secrets
 
 from loguru import logger
 from pipecat.frames.frames import (
@@ -11,9 +12,14 @@ from pipecat.frames.frames import (
     OutputTransportMessageFrame,
     OutputTransportMessageUrgentFrame,
 )
+from fastapi import FastAPI, Header, HTTPException, WebSocket
 from pipecat.serializers.base_serializer import FrameSerializer
+from pipecat.transports.websocket.fastapi import FastAPIWebsocketParams, FastAPIWebsocketTransport
 
-INPUT_SAMPLE_RATE = 16000
+from agent.conversation import build_conversation
+from agent.server.admission import Admission
+from services.audio import INPUT_SAMPLE_RATE
+
 MAX_AUDIO_MESSAGE_BYTES = 64000  # 2 s of 16 kHz PCM16; clients send 20-100 ms at a time
 MAX_TEXT_MESSAGE_CHARS = 4096
 
@@ -78,3 +84,32 @@ class PCMJsonSerializer(FrameSerializer):
                 return error_frame(f"sample_rate {rate!r} refused: send mono PCM16 at {INPUT_SAMPLE_RATE} Hz")
             return None
         return error_frame(f"unknown message type {message.get('type')!r}")
+
+
+def add_websocket_route(app: FastAPI, admission: Admission) -> None:
+    @app.websocket("/ws")
+    async def websocket_session(websocket: WebSocket, authorization: str | None = Header(None)):
+        """A conversation over one plain WebSocket, for hosts that expose only HTTP. It lasts as
+        long as the connection: one per client, for every turn."""
+        await websocket.accept()
+        name = f"ws-{secrets.token_hex(4)}"
+        try:
+            engines = admission.admit("websocket", name, authorization)
+        except HTTPException as e:
+            await websocket.send_json({"type": "error", "message": e.detail})
+            await websocket.close(code=1008 if e.status_code == 401 else 1013)  # policy / try again later
+            return
+
+        def build():
+            conversation = build_conversation(
+                lambda audio: FastAPIWebsocketTransport(
+                    websocket, FastAPIWebsocketParams(**audio, serializer=PCMJsonSerializer())
+                ),
+                engines,
+                admission.settings,
+                metrics=[admission.metrics],
+            )
+            conversation.follow_client(name)
+            return conversation
+
+        await admission.serve(name, build)

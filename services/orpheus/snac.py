@@ -73,9 +73,9 @@ class SnacDecoder:
         self,
         model: SNAC,
         *,
-        device: str = "cpu",
-        max_batch: int = 16,
-        max_wait_ms: float = 2.0,
+        device: str,
+        max_batch: int,
+        max_wait_ms: float,
         compile: bool = False,
         noise_seed: int = 0,
     ):
@@ -97,7 +97,7 @@ class SnacDecoder:
         self.decoded_frames = 0
 
     @classmethod
-    def load(cls, source: str, *, device: str = "cpu", **kwargs) -> "SnacDecoder":
+    def load(cls, source: str, *, device: str, **kwargs) -> "SnacDecoder":
         """Load from a hub id or a local directory (config.json + pytorch_model.bin)."""
         started = time.perf_counter()
         model = SNAC.from_pretrained(source)
@@ -203,6 +203,12 @@ class SnacWindowPlanner:
 
 
 def _prepare(model: SNAC, device: torch.device, noise_seed: int) -> SNAC:
+    """Fold weight norm into the weights and swap each NoiseBlock for PositionalNoise.
+
+    A reach into the snac package's layer layout (checked against snac 1.2.1: DecoderBlock.block
+    is [Snake, ConvTranspose1d, NoiseBlock, ResidualUnit...]); tests/test_library_internals.py and
+    the streamed-equals-full-decode tests fail if it changes.
+    """
     for module in model.modules():
         if hasattr(module, "parametrizations") and "weight" in module.parametrizations:
             torch.nn.utils.parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)

@@ -1,0 +1,91 @@
+"""Peer-to-peer WebRTC (Pipecat's SmallWebRTC): the signalling routes, one conversation per peer connection."""
+
+import asyncio
+
+from fastapi import FastAPI, Header, HTTPException
+from loguru import logger
+from pipecat.transports.base_transport import TransportParams
+from pipecat.transports.smallwebrtc.connection import SmallWebRTCConnection
+from pipecat.transports.smallwebrtc.request_handler import (
+    SmallWebRTCPatchRequest,
+    SmallWebRTCRequest,
+    SmallWebRTCRequestHandler,
+)
+from pipecat.transports.smallwebrtc.transport import SmallWebRTCTransport
+
+from agent.conversation import build_conversation
+from agent.server.admission import Admission
+
+SHUTDOWN_GRACE_SECS = 5
+
+
+class PeerToPeer:
+    """`POST /api/offer` (SDP offer → answer), `PATCH /api/offer` (ICE candidates) and `/start`."""
+
+    def __init__(self, admission: Admission):
+        self._admission = admission
+        self._handler = SmallWebRTCRequestHandler()
+        self._conversations: set[asyncio.Task] = set()  # awaited at shutdown
+
+    def add_routes(self, app: FastAPI) -> None:
+        app.add_api_route("/start", self.start, methods=["POST"])
+        app.add_api_route("/api/offer", self.offer, methods=["POST"])
+        app.add_api_route("/api/offer", self.ice_candidate, methods=["PATCH"])
+
+    async def start(self):
+        # The prebuilt client asks /start where to send its offer; without an answer it would
+        # POST to /sessions/{id}/api/offer (Pipecat Cloud's layout), which we don't serve.
+        self._admission.ready_engines()
+        return {"webrtcRequestParams": {"endpoint": "/api/offer"}}
+
+    async def offer(self, request: SmallWebRTCRequest, authorization: str | None = Header(None)):
+        admission = self._admission
+        admission.check("webrtc", authorization)
+
+        refused: list[HTTPException] = []  # the handler swallows what its callback raises
+
+        async def on_new_connection(connection: SmallWebRTCConnection) -> None:
+            try:
+                engines = admission.admit("webrtc", connection.pc_id, authorization)
+            except HTTPException as e:
+                refused.append(e)
+                await connection.disconnect()
+                return
+            task = asyncio.create_task(self._converse(connection, engines))
+            self._conversations.add(task)
+            task.add_done_callback(self._conversations.discard)
+
+        answer = await self._handler.handle_web_request(request=request, webrtc_connection_callback=on_new_connection)
+        if refused:
+            raise refused[0]
+        return answer
+
+    async def ice_candidate(self, request: SmallWebRTCPatchRequest):
+        await self._handler.handle_patch_request(request)
+        return {"status": "success"}
+
+    async def _converse(self, connection: SmallWebRTCConnection, engines) -> None:
+        def build():
+            conversation = build_conversation(
+                lambda audio: SmallWebRTCTransport(webrtc_connection=connection, params=TransportParams(**audio)),
+                engines,
+                self._admission.settings,
+                metrics=[self._admission.metrics],
+            )
+            conversation.follow_client(connection.pc_id)
+            return conversation
+
+        try:
+            await self._admission.serve(connection.pc_id, build)
+        except Exception:
+            logger.exception(f"conversation {connection.pc_id} could not start")
+            await connection.disconnect()
+
+    async def close(self) -> None:
+        """Close every peer connection (which ends its conversation) and wait for them to end."""
+        await self._handler.close()
+        if self._conversations:
+            _, stuck = await asyncio.wait(self._conversations, timeout=SHUTDOWN_GRACE_SECS)
+            for task in stuck:
+                task.cancel()
+            await asyncio.gather(*stuck, return_exceptions=True)

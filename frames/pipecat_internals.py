@@ -1,0 +1,53 @@
+"""Every place the adapters reach into Pipecat's private internals, each in one small function.
+
+Checked against pipecat-ai 1.14.0. `tests/test_library_internals.py` fails loudly when an
+upgrade moves any of them; fix the function here, nowhere else.
+"""
+
+import onnxruntime as ort
+from pipecat.audio.turn.smart_turn.local_smart_turn_v3 import LocalSmartTurnAnalyzerV3
+from pipecat.audio.vad.silero import SileroOnnxModel
+from pipecat.services.stt_service import SegmentedSTTService
+from pipecat.turns.user_stop import TurnAnalyzerUserTurnStopStrategy
+
+# Protected hooks of TurnAnalyzerUserTurnStopStrategy that SpeculativeTurnStopStrategy overrides:
+# Pipecat has no public hook before a turn is declared stopped, nor one at turn boundaries.
+OVERRIDDEN_TURN_STOP_HOOKS = ("_maybe_trigger_user_turn_stopped", "_reset")
+
+
+def set_stt_pre_roll(stt: SegmentedSTTService, seconds: float) -> None:
+    """How much audio a segmented STT keeps from before the VAD's start event.
+
+    Pipecat sizes it in `setup()` (1 s, named for that) and has no option for it; the VAD runs
+    downstream of the STT, so on a loaded machine its start event arrives late and 1 s clipped
+    the user's first words.
+    """
+    stt._audio_buffer_size_1s = int(stt.sample_rate * 2 * seconds)
+
+
+def silero_model_on(session: ort.InferenceSession) -> SileroOnnxModel:
+    """Pipecat's Silero wrapper (its recurrent state) around an already open ONNX session.
+
+    Its constructor opens a session of its own (~22 MB, 0.2-0.5 s) for every conversation.
+    """
+    model = SileroOnnxModel.__new__(SileroOnnxModel)
+    model.session = session
+    model.sample_rates = [8000, 16000]
+    model.reset_states()
+    return model
+
+
+def use_smart_turn_session(analyzer: LocalSmartTurnAnalyzerV3, session: ort.InferenceSession) -> None:
+    """Make a smart-turn analyzer (built without its model) run on a shared ONNX session."""
+    analyzer._log_data = False
+    analyzer._session = session
+
+
+def turn_stop_state(strategy: TurnAnalyzerUserTurnStopStrategy) -> dict[str, bool]:
+    """What Pipecat's smart-turn stop strategy knows of the turn so far (no public accessor)."""
+    return {
+        "vad_stopped": strategy._vad_stopped,  # VAD reported a stop this turn
+        "user_speaking": strategy._vad_user_speaking,
+        "turn_complete": strategy._turn_complete,  # smart-turn judged the turn finished
+        "transcript_finalized": strategy._transcript_finalized,
+    }

@@ -1,0 +1,84 @@
+"""The private internals of Pipecat, transformers and snac the product reaches into: each still where it was.
+
+Each test names the one function that holds the reach; when a library upgrade breaks one, fix
+that function, not its callers.
+"""
+
+import inspect
+
+import numpy as np
+import torch
+from pipecat.audio.turn.smart_turn.local_smart_turn_v3 import LocalSmartTurnAnalyzerV3
+from pipecat.audio.vad.silero import SileroOnnxModel
+from pipecat.services.stt_service import SegmentedSTTService
+from pipecat.turns.user_stop import TurnAnalyzerUserTurnStopStrategy
+from snac.layers import DecoderBlock, NoiseBlock
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+from frames import pipecat_internals
+from frames.turn_taking.turn_models import SharedSileroVADAnalyzer, SharedSmartTurnAnalyzer
+from frames.turn_taking.turn_stop import SpeculativeTurnStopStrategy
+from harness.orpheus_models import build_random_snac
+from services.batched_generation import insert_logits_processors
+from services.orpheus.snac import PositionalNoise, SnacDecoder
+
+
+def test_segmented_stt_still_sizes_its_pre_roll_buffer_in_the_attribute_we_set():
+    # pipecat_internals.set_stt_pre_roll
+    source = inspect.getsource(SegmentedSTTService)
+    assert "self._audio_buffer_size_1s = " in source and "len(self._audio_buffer) > self._audio_buffer_size_1s" in source
+
+
+def test_a_silero_model_on_a_shared_session_scores_speech():
+    # pipecat_internals.silero_model_on, through the analyzer that uses it
+    vad = SharedSileroVADAnalyzer(sample_rate=16000)
+    assert isinstance(vad._model, SileroOnnxModel)
+    window = np.zeros(vad.num_frames_required(), dtype=np.int16).tobytes()
+    confidence = vad.voice_confidence(window)
+    assert 0.0 <= confidence < 0.5  # silence
+
+
+def test_smart_turn_still_runs_its_model_from_the_attribute_we_set():
+    # pipecat_internals.use_smart_turn_session
+    source = inspect.getsource(LocalSmartTurnAnalyzerV3)
+    assert "self._session.run(" in source
+    assert SharedSmartTurnAnalyzer()._session is SharedSmartTurnAnalyzer()._session  # shared
+
+
+def test_turn_stop_strategy_state_and_hooks_are_still_there():
+    # pipecat_internals.turn_stop_state and OVERRIDDEN_TURN_STOP_HOOKS
+    strategy = SpeculativeTurnStopStrategy(turn_analyzer=SharedSmartTurnAnalyzer())
+    state = pipecat_internals.turn_stop_state(strategy)
+    assert all(isinstance(value, bool) for value in state.values()), state
+    for hook in pipecat_internals.OVERRIDDEN_TURN_STOP_HOOKS:
+        assert inspect.iscoroutinefunction(getattr(TurnAnalyzerUserTurnStopStrategy, hook)), hook
+
+
+def test_continuous_batching_still_takes_an_inserted_logits_processor():
+    # services.batched_generation.insert_logits_processors
+    model = LlamaForCausalLM(
+        LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    ).eval()
+    manager = model.init_continuous_batching(generation_config=GenerationConfig(max_new_tokens=2, eos_token_id=1))
+
+    def first(input_ids, scores):
+        return scores
+
+    insert_logits_processors(manager, [first])
+    assert manager.logit_processor.logits_processor[0] is first
+    assert manager.logit_processor.do_processing
+
+
+def test_snac_decoder_blocks_still_hold_the_layers_we_replace():
+    # services.orpheus.snac._prepare
+    model = build_random_snac(seed=0)
+    blocks = [b for b in model.decoder.model if isinstance(b, DecoderBlock)]
+    assert blocks and all(isinstance(b.block[1], torch.nn.ConvTranspose1d) for b in blocks)
+    assert all(sum(isinstance(layer, NoiseBlock) for layer in b.block) == 1 for b in blocks)
+    decoder = SnacDecoder(model, device="cpu", max_batch=1, max_wait_ms=0)
+    try:
+        replaced = [m for m in decoder.model.modules() if isinstance(m, PositionalNoise)]
+        assert len(replaced) == len(blocks)
+        assert not any(isinstance(m, NoiseBlock) for m in decoder.model.modules())
+    finally:
+        decoder.close()
