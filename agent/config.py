@@ -43,6 +43,14 @@ class Settings(BaseSettings):
     llm_gguf_file: str | None = Field(None, description="GGUF file name inside `llm_model`.")
     llm_dtype: str = Field("auto", description="torch dtype: auto, float32, bfloat16, float16.")
     llm_max_new_tokens: int = Field(96, ge=1, description="Longest reply, in tokens.")
+    reply_max_sentences: int = Field(
+        2,
+        ge=0,
+        description=(
+            "Sentences in a reply, unless the user asks for more (a story, an explanation, details); "
+            "0 for no limit. A reply also ends before a sentence that repeats it."
+        ),
+    )
     llm_temperature: float = Field(0.0, ge=0.0, description="0 = greedy.")
     llm_max_batch: int = Field(16, ge=1, description="Requests decoded together per step.")
     llm_kv_cache_tokens: int = Field(

@@ -169,7 +169,10 @@ def build_conversation(
     guard = InputAudioGuard(on_drop=on_audio_dropped)
     stt = WhisperSTTService(engines.stt)
     llm = TransformersLLMService(
-        engines.llm, system_prompt=settings.system_prompt, max_tokens=settings.llm_max_new_tokens
+        engines.llm,
+        system_prompt=settings.system_prompt,
+        max_tokens=settings.llm_max_new_tokens,
+        max_sentences=settings.reply_max_sentences,
     )
     tts = LocalTTSService(engines.tts, on_sentence=on_sentence)
     pipeline = Pipeline(
@@ -188,7 +191,7 @@ def build_conversation(
             assistant_aggregator,
         ]
     )
-    turns = TurnMetricsObserver(metrics)
+    turns = TurnMetricsObserver(metrics, clock_of=lambda: transport.output().get_clock())
     for sink in metrics:
         sink.count_session_started()
     worker = PipelineWorker(

@@ -19,7 +19,7 @@ import torch
 from snac import SNAC
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from bench.latency import command_line, machine_info, percentile, write_json
+from bench.report import command_line, machine_info, percentile, write_json
 from services.orpheus.engine import OrpheusEngine
 from services.orpheus.tokens import END_OF_SPEECH, PAD, TOKENS_PER_SECOND
 from services.orpheus.snac import SAMPLES_PER_FRAME, SAMPLE_RATE, SnacDecoder, SnacWindowPlanner

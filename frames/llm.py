@@ -1,5 +1,6 @@
 """Pipecat LLM service over the shared TransformersLLMEngine."""
 
+import re
 import time
 
 from loguru import logger
@@ -16,6 +17,13 @@ from pipecat.services.settings import LLMSettings
 
 from services.llm import TransformersLLMEngine
 
+# Words by which a user asks for more than a sentence or two: the reply is then not capped in
+# sentences (only by LLM_MAX_NEW_TOKENS).
+LONG_ANSWER = re.compile(
+    r"\b(story|stories|explain|describe|details?|detailed|elaborate|more|long|longer|list|steps|everything|poem|essay)\b",
+    re.IGNORECASE,
+)
+
 
 class TransformersLLMService(LLMService):
     """Streams a reply for each context the user aggregator sends.
@@ -30,6 +38,7 @@ class TransformersLLMService(LLMService):
         *,
         system_prompt: str | None,
         max_tokens: int | None = None,
+        max_sentences: int | None = None,
         **kwargs,
     ):
         super().__init__(
@@ -49,6 +58,7 @@ class TransformersLLMService(LLMService):
             **kwargs,
         )
         self._engine = engine
+        self._max_sentences = max_sentences or None
         self._requests = 0  # engine requests this conversation made: numbers their ids
         self.generating = False
         self.last_output_at = 0.0  # time.monotonic() of the latest text generated
@@ -74,6 +84,11 @@ class TransformersLLMService(LLMService):
             messages.append({"role": "system" if role == "developer" else role, "content": content})
         return messages
 
+    def sentences_for(self, messages: list[dict]) -> int | None:
+        """The reply's sentence cap: none when the user's last words ask for a longer answer."""
+        asked = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
+        return None if LONG_ANSWER.search(asked) else self._max_sentences
+
     async def process_frame(self, frame: Frame, direction: FrameDirection):
         await super().process_frame(frame, direction)
         if not isinstance(frame, LLMContextFrame):
@@ -89,7 +104,10 @@ class TransformersLLMService(LLMService):
             self._requests += 1
             first = True
             async for text in self._engine.stream(
-                messages, request_id=request_id, max_new_tokens=self._settings.max_tokens
+                messages,
+                request_id=request_id,
+                max_new_tokens=self._settings.max_tokens,
+                max_sentences=self.sentences_for(messages),
             ):
                 if first:
                     await self.stop_ttfb_metrics()

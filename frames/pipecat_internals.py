@@ -8,7 +8,9 @@ import onnxruntime as ort
 from pipecat.audio.turn.smart_turn.local_smart_turn_v3 import LocalSmartTurnAnalyzerV3
 from pipecat.audio.vad.silero import SileroOnnxModel
 from pipecat.services.stt_service import SegmentedSTTService
+from pipecat.services.tts_service import TTSService
 from pipecat.turns.user_stop import TurnAnalyzerUserTurnStopStrategy
+from pipecat.utils.text.base_text_aggregator import BaseTextAggregator
 
 # Protected hooks of TurnAnalyzerUserTurnStopStrategy that SpeculativeTurnStopStrategy overrides:
 # Pipecat has no public hook before a turn is declared stopped, nor one at turn boundaries.
@@ -41,6 +43,14 @@ def use_smart_turn_session(analyzer: LocalSmartTurnAnalyzerV3, session: ort.Infe
     """Make a smart-turn analyzer (built without its model) run on a shared ONNX session."""
     analyzer._log_data = False
     analyzer._session = session
+
+
+def use_text_aggregator(tts: TTSService, aggregator: BaseTextAggregator) -> None:
+    """Have a TTS service group the LLM's text with `aggregator` instead of its sentence aggregator.
+
+    The constructor takes only an aggregation mode (sentence or token), not an aggregator.
+    """
+    tts._text_aggregator = aggregator
 
 
 def turn_stop_state(strategy: TurnAnalyzerUserTurnStopStrategy) -> dict[str, bool]:

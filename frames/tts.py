@@ -9,6 +9,14 @@ from loguru import logger
 from pipecat.frames.frames import ErrorFrame, Frame, TTSAudioRawFrame
 from pipecat.services.settings import TTSSettings
 from pipecat.services.tts_service import TTSService
+from pipecat.utils.string import SENTENCE_ENDING_PUNCTUATION
+from pipecat.utils.text.base_text_aggregator import Aggregation, TextType
+from pipecat.utils.text.simple_text_aggregator import SimpleTextAggregator
+
+from frames.pipecat_internals import use_text_aggregator
+
+CLAUSE_ENDS = ",;:"
+FIRST_CLAUSE_MIN_WORDS = 3  # shorter openings ("Well,") sound clipped when spoken alone
 
 
 class SpeechEngine(Protocol):
@@ -37,6 +45,48 @@ def estimate_word_times(text: str, start: float, duration: float) -> list[tuple[
     return times
 
 
+class FirstClauseAggregator(SimpleTextAggregator):
+    """Pipecat's sentence aggregation, except that each reply's first clause goes to the voice as
+    soon as it ends ("The capital of France, ..."), so speaking starts before the LLM has
+    finished the first sentence. The rest of the reply goes sentence by sentence.
+
+    Extends SimpleTextAggregator through the hook its docstring offers subclasses
+    (`_check_sentence_with_lookahead`) and its buffer `_text`.
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._spoke_first = False  # a chunk of the current reply went out already
+
+    async def _check_sentence_with_lookahead(self, char: str, *, protected_end: int = 0) -> Aggregation | None:
+        sentence = await super()._check_sentence_with_lookahead(char, protected_end=protected_end)
+        if sentence is not None:
+            self._spoke_first = True
+            return sentence
+        if (
+            not self._spoke_first
+            and char in CLAUSE_ENDS
+            and len(self._text.split()) >= FIRST_CLAUSE_MIN_WORDS
+            and not any(c in SENTENCE_ENDING_PUNCTUATION for c in self._text)  # no sentence end pending
+        ):
+            self._spoke_first = True
+            clause, self._text = self._text.strip(" "), ""
+            return Aggregation(text=clause, type=TextType.SENTENCE)
+        return None
+
+    async def flush(self) -> Aggregation | None:
+        self._spoke_first = False  # the reply is over: the next one starts with a clause again
+        return await super().flush()
+
+    async def handle_interruption(self):
+        self._spoke_first = False
+        await super().handle_interruption()
+
+    async def reset(self):
+        self._spoke_first = False
+        await super().reset()
+
+
 class LocalTTSService(TTSService):
     """Speaks each sentence from the LLM with the process-wide TTS engine.
 
@@ -53,6 +103,7 @@ class LocalTTSService(TTSService):
             settings=TTSSettings(model=None, voice=engine.voice, language=None),
             **kwargs,
         )
+        use_text_aggregator(self, FirstClauseAggregator())
         self._engine = engine
         self._on_sentence = on_sentence  # on_sentence(audio_seconds, wall_seconds), e.g. for metrics
         # Seconds of audio already produced in each audio context: word timestamps count

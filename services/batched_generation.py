@@ -139,6 +139,13 @@ class ContinuousBatchGenerator:
 
         await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(register(), self._dispatch_loop))
 
+    def finish(self, request_id: str) -> None:
+        """End a request early because its caller has all it wants (counted as finished, not cancelled)."""
+        self._manager.cancel_request(request_id)
+        with self._lock:
+            if self._active.pop(request_id, None) is not None:
+                self.stats.finished += 1
+
     def cancel(self, request_id: str) -> None:
         """Stop a request inside the batch and end its stream (idempotent)."""
         self._manager.cancel_request(request_id)

@@ -14,6 +14,7 @@ from loguru import logger
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from services.batched_generation import ContinuousBatchGenerator, resolve_dtype
+from services.spoken_reply import SpokenReply
 
 SAMPLING_TOP_P = 0.9  # nucleus sampling, when LLM_TEMPERATURE > 0
 MAX_BATCH_TOKENS = 1024  # prompt + generated tokens one batched step may process
@@ -101,23 +102,33 @@ class TransformersLLMEngine:
         *,
         request_id: str | None = None,
         max_new_tokens: int | None = None,
+        max_sentences: int | None = None,
     ) -> AsyncIterator[str]:
-        """Generate a reply to `messages`, yielding text as it is produced."""
+        """Generate a reply to `messages`, yielding text as it is produced: at most
+        `max_sentences` sentences (None: as many as the token budget allows), and never a
+        sentence that repeats the reply (see SpokenReply); generation stops there."""
+        request_id = request_id or f"llm-{uuid.uuid4().hex[:12]}"
         tokens: list[int] = []
-        emitted = ""
+        text, emitted = "", 0
+        reply = SpokenReply(max_sentences)
         generated = self.generator.stream(
-            self.encode_chat(messages),
-            request_id=request_id or f"llm-{uuid.uuid4().hex[:12]}",
-            max_new_tokens=max_new_tokens or self.max_new_tokens,
+            self.encode_chat(messages), request_id=request_id, max_new_tokens=max_new_tokens or self.max_new_tokens
         )
         async with aclosing(generated):  # leaving early cancels the request in the batch
             async for new in generated:
                 tokens += new
                 text = self.tokenizer.decode(tokens, skip_special_tokens=True)
                 # A multi-byte character split across tokens decodes to U+FFFD until complete.
-                if len(text) > len(emitted) and not text.endswith("\ufffd"):
-                    yield text[len(emitted):]
-                    emitted = text
+                if text.endswith("\ufffd"):
+                    continue
+                if (release := reply.update(text)) > emitted:
+                    yield text[emitted:release]
+                    emitted = release
+                if reply.over:
+                    self.generator.finish(request_id)  # the rest would not be spoken
+                    return
+        if (release := reply.finish(text)) > emitted:
+            yield text[emitted:release]
 
     def cancel(self, request_id: str) -> None:
         """Stop a request inside the batch (idempotent)."""

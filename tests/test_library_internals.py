@@ -11,11 +11,13 @@ import torch
 from pipecat.audio.turn.smart_turn.local_smart_turn_v3 import LocalSmartTurnAnalyzerV3
 from pipecat.audio.vad.silero import SileroOnnxModel
 from pipecat.services.stt_service import SegmentedSTTService
+from pipecat.services.tts_service import TTSService
 from pipecat.turns.user_stop import TurnAnalyzerUserTurnStopStrategy
 from snac.layers import DecoderBlock, NoiseBlock
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from frames import pipecat_internals
+from frames.tts import FirstClauseAggregator
 from frames.turn_taking.turn_models import SharedSileroVADAnalyzer, SharedSmartTurnAnalyzer
 from frames.turn_taking.turn_stop import SpeculativeTurnStopStrategy
 from harness.orpheus_models import build_random_snac
@@ -82,3 +84,14 @@ def test_snac_decoder_blocks_still_hold_the_layers_we_replace():
         assert not any(isinstance(m, NoiseBlock) for m in decoder.model.modules())
     finally:
         decoder.close()
+
+
+async def test_tts_text_aggregation_still_goes_through_the_aggregator_we_set():
+    # pipecat_internals.use_text_aggregator and FirstClauseAggregator's subclass hook
+    assert "self._text_aggregator.aggregate(" in inspect.getsource(TTSService)
+    aggregator = FirstClauseAggregator()
+    chunks = []
+    for token in ["Well", ", the capital", " of France, as you know", ", is Paris", ". It is", " lovely, truly", ". Bye"]:
+        chunks += [aggregation.text async for aggregation in aggregator.aggregate(token)]
+    chunks.append((await aggregator.flush()).text)
+    assert chunks == ["Well, the capital of France,", "as you know, is Paris.", "It is lovely, truly.", "Bye"]

@@ -62,6 +62,11 @@ class SessionRegistry:
         self.drain_deadline = time.monotonic() + grace_secs
         self.draining = True
 
+    def snapshot(self) -> dict[str, Conversation | None]:
+        """The conversations now, by key (None while one is still being built)."""
+        with self._lock:
+            return dict(self._sessions)
+
     def get(self, key: str) -> Conversation | None:
         with self._lock:
             return self._sessions.get(key)

@@ -1,0 +1,49 @@
+"""What of a generated reply is spoken: a sentence or two, never a loop (services/spoken_reply.py)."""
+
+from services.spoken_reply import SpokenReply
+
+
+def speak_as_generated(reply: SpokenReply, text: str, step: int = 3) -> str:
+    """Feed `text` a few characters at a time, as tokens arrive; return what was released."""
+    released = 0
+    for end in range(step, len(text) + step, step):
+        released = max(released, reply.update(text[:end]))
+        if reply.over:
+            return text[:released]
+    return text[: max(released, reply.finish(text))]
+
+
+def test_the_first_sentence_streams_before_it_ends():
+    reply = SpokenReply(max_sentences=2)
+    assert reply.update("The capital of France") == len("The capital of France")
+
+
+def test_stops_after_the_sentence_cap():
+    text = "The capital of France is Paris. It is known for the Eiffel Tower. It has many museums. And cafes."
+    assert speak_as_generated(SpokenReply(max_sentences=2), text) == (
+        "The capital of France is Paris. It is known for the Eiffel Tower."
+    )
+
+
+def test_no_cap_speaks_everything():
+    text = "Once upon a time a dragon lived in a cave. A knight came by. They became friends."
+    assert speak_as_generated(SpokenReply(max_sentences=None), text) == text
+
+
+def test_a_sentence_that_repeats_the_reply_ends_it():
+    text = "Shakespeare wrote Romeo and Juliet. He wrote it in 1595. Shakespeare wrote Romeo and Juliet. It is a play."
+    assert speak_as_generated(SpokenReply(max_sentences=None), text) == (
+        "Shakespeare wrote Romeo and Juliet. He wrote it in 1595."
+    )
+
+
+def test_numbers_and_list_markers_do_not_end_sentences():
+    text = "It is 3.5 meters long. 1. The first point is short."
+    reply = SpokenReply(max_sentences=2)
+    assert speak_as_generated(reply, text) == text
+    assert reply.sentences == 2
+
+
+def test_a_last_sentence_without_a_full_stop_is_spoken():
+    text = "Paris is the capital. It is in France"
+    assert speak_as_generated(SpokenReply(max_sentences=3), text) == text
