@@ -20,7 +20,10 @@ from transformers import AutoModelForCausalLM
 from agent.config import Settings
 from agent.engines import load_engines_warm
 from harness.local_session import LocalSession
-from bench.latency import QUESTIONS, command_line, machine_info, process_memory_mb, write_json
+from bench.report import command_line, machine_info, process_memory_mb, write_json
+from bench.waterfall import QUESTIONS as ASKED
+
+QUESTIONS = [question for question, _ in ASKED]
 from services.audio import pcm16_to_float
 from services.stt import WHISPER_SAMPLE_RATE
 

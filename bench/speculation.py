@@ -15,12 +15,15 @@ from pipecat.observers.base_observer import BaseObserver, FramePushed
 from agent.config import Settings
 from agent.engines import load_engines_warm
 from harness.local_session import LocalSession
-from bench.latency import ANSWER_CAP_SECS, POLL_SECS, command_line, machine_info, percentile, write_json
+from bench.report import command_line, machine_info, percentile, write_json
 from harness.speech import speak_16k
 
 # Smart-turn v3.2's verdicts on the bundled Piper voice, measured over several renditions: the
 # complete questions score p > 0.9, the incomplete turns p < 0.05 (except the one with a comma,
 # which Piper pauses at: VAD splits it, and smart-turn judges the lone "um" either way).
+ANSWER_CAP_SECS = 15.0  # longest wait for a reply to start after the user stops speaking
+POLL_SECS = 0.1  # the user's microphone keeps sending silence in steps this long
+
 TURNS = {
     "complete": [
         ["What is the capital of France?"],

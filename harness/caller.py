@@ -317,11 +317,8 @@ class LiveKitTransport(Transport):
         return self.caller.heard if self.caller is not None else []
 
     async def connect(self, mic: Microphone) -> None:
-        from livekit import rtc  # the LiveKit SDK loads only when used
+        from harness.livekit_caller import LiveKitCaller  # the LiveKit SDK loads only when used
 
-        from harness.livekit_caller import LiveKitCaller
-
-        self._rtc = rtc
         session = await post_json(self.url, self.api_key)
         self.caller = LiveKitCaller(session["url"], session["token"])
         try:
@@ -332,9 +329,8 @@ class LiveKitTransport(Transport):
         self.start_pump(mic)
 
     async def send_frame(self, frame: bytes) -> None:
-        # Straight into the caller's microphone source: `speak()` sleeps out each frame's 20 ms
-        # itself, and one call per frame then falls behind real time by its oversleep, ~5 %.
-        await self.caller._source.capture_frame(self._rtc.AudioFrame(frame, MIC_RATE, 1, FRAME_SAMPLES))
+        # One frame at a time, paced by the caller's microphone (`speak()` paces itself per clip).
+        await self.caller.send_frame(frame)
 
     def events(self) -> list[dict]:
         return self.caller.messages if self.caller is not None else []

@@ -77,6 +77,11 @@ class LiveKitCaller:
                 raise TimeoutError("the agent never published audio into the room")
             await asyncio.sleep(0.05)
 
+    async def send_frame(self, pcm: bytes) -> None:
+        """One microphone frame (PCM16 mono at SAMPLE_RATE) now; the caller keeps the pace."""
+        samples = len(pcm) // 2
+        await self._source.capture_frame(rtc.AudioFrame(pcm, SAMPLE_RATE, 1, samples))
+
     async def speak(self, pcm: bytes) -> tuple[float, float]:
         """Send mono PCM16 at 16 kHz at real-time pace; returns (first, last) sample sent, monotonic."""
         samples = np.frombuffer(pcm, dtype=np.int16)

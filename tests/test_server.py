@@ -109,14 +109,21 @@ def server():
 # LLM in this process next to the server's, and the LLM's KV cache alone takes ~60% of RAM.
 @pytest.fixture(scope="module")
 def voice(settings):
-    voice = PiperEngine(settings.tts_voice, workers=1)
+    voice = PiperEngine(settings.tts_voice, workers=1, use_cuda=False)
     yield voice
     voice.close()
 
 
 @pytest.fixture(scope="module")
 def ears(settings):
-    ears = WhisperEngine(settings.stt_model, compute_type=settings.stt_compute_type, workers=1)
+    ears = WhisperEngine(
+        settings.stt_model,
+        device=settings.stt_device,
+        compute_type=settings.stt_compute_type,
+        workers=1,
+        language=settings.stt_language,
+        beam_size=settings.stt_beam_size,
+    )
     yield ears
     ears.close()
 
