@@ -36,6 +36,13 @@ class Settings(BaseSettings):
     stt_language: str | None = Field("en", description="Spoken language; empty for auto-detect.")
     stt_workers: int = Field(2, ge=1, description="Transcriptions run in parallel on the one model.")
     stt_beam_size: int = Field(1, ge=1, description="Whisper beam size (1 = greedy, the fastest).")
+    stt_short_encode: bool = Field(
+        True,
+        description=(
+            "Encode a turn at its own length rather than Whisper's padded 30 s window (~6x less "
+            "encoder work; a result that looks like a loop is redone on the full window)."
+        ),
+    )
 
     llm_model: str | None = Field(
         None, description="HF id, local directory or .gguf file; default: bundled SmolLM2 (cpu)."
@@ -43,6 +50,15 @@ class Settings(BaseSettings):
     llm_gguf_file: str | None = Field(None, description="GGUF file name inside `llm_model`.")
     llm_dtype: str = Field("auto", description="torch dtype: auto, float32, bfloat16, float16.")
     llm_max_new_tokens: int = Field(96, ge=1, description="Longest reply, in tokens.")
+    llm_context_tokens: int | None = Field(
+        None,
+        ge=64,
+        description=(
+            "Most tokens of conversation sent with each request; the oldest turns are left out "
+            "first. Default: 512 on cpu (a long prefill delays the first word, and the small model "
+            "answers better with less history), 4096 on gpu."
+        ),
+    )
     reply_max_sentences: int = Field(
         2,
         ge=0,
@@ -179,6 +195,8 @@ class Settings(BaseSettings):
             )
         if self.llm_model is None:
             self.llm_model = GPU_LLM_MODEL if self.profile == "gpu" else str(bundled.smollm2_gguf())
+        if self.llm_context_tokens is None:
+            self.llm_context_tokens = 4096 if self.profile == "gpu" else 512
         if self.tts_engine is None:
             self.tts_engine = "orpheus" if self.profile == "gpu" else "piper"
         if self.tts_voice is None:

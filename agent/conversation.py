@@ -173,6 +173,7 @@ def build_conversation(
         system_prompt=settings.system_prompt,
         max_tokens=settings.llm_max_new_tokens,
         max_sentences=settings.reply_max_sentences,
+        context_tokens=settings.llm_context_tokens,
     )
     tts = LocalTTSService(engines.tts, on_sentence=on_sentence)
     pipeline = Pipeline(

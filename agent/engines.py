@@ -55,6 +55,7 @@ def load_engines(settings: Settings) -> Engines:
         workers=settings.stt_workers,
         language=settings.stt_language,
         beam_size=settings.stt_beam_size,
+        short_encode=settings.stt_short_encode,
     )
     llm = TransformersLLMEngine.load(
         settings.llm_model,

@@ -121,8 +121,10 @@ class TurnMetricsObserver(BaseObserver):
             if self._pending is not None and "turn_end" in self._pending.at:
                 self._mark("llm_text", now)
         elif isinstance(frame, TTSAudioRawFrame) and isinstance(data.source, TTSService):
-            if self._pending is not None and "llm_text" in self._pending.at:
+            if self._pending is not None and "llm_text" in self._pending.at and "tts_audio" not in self._pending.at:
                 self._mark("tts_audio", now)
+                if self._pending.tts_first_audio is not None:  # its TTFB report came first
+                    self._pending.at["tts_text"] = self._pending.at["tts_audio"] - self._pending.tts_first_audio
         elif isinstance(frame, UserStartedSpeakingFrame):
             self._bot_paused = False
         elif isinstance(frame, UserStoppedSpeakingFrame) and self._pending is not None:
@@ -157,9 +159,9 @@ class TurnMetricsObserver(BaseObserver):
                     turn.stt = metric.value
                 elif isinstance(data.source, LLMService) and turn.llm_first_token is None:
                     turn.llm_first_token = metric.value
-                elif isinstance(data.source, TTSService) and turn.tts_first_audio is None:
-                    turn.tts_first_audio = metric.value
-                    if "tts_audio" in turn.at:  # the text went in this long before its first audio
+                elif isinstance(data.source, TTSService) and turn.tts_first_audio is None and "llm_text" in turn.at:
+                    turn.tts_first_audio = metric.value  # the first chunk went in this long before its audio
+                    if "tts_audio" in turn.at:
                         turn.at["tts_text"] = turn.at["tts_audio"] - metric.value
 
 

@@ -24,7 +24,13 @@ from services.orpheus.engine import OrpheusEngine
 from services.orpheus.tokens import END_OF_SPEECH, PAD, TOKENS_PER_SECOND
 from services.orpheus.snac import SAMPLES_PER_FRAME, SAMPLE_RATE, SnacDecoder, SnacWindowPlanner
 from agent.config import Settings
-from harness.orpheus_models import ORPHEUS_VOCAB, build_random_snac, build_tiny_orpheus_lm, build_tiny_tokenizer
+from harness.orpheus_models import (
+    ORPHEUS_VOCAB,
+    build_random_orpheus_3b,
+    build_random_snac,
+    build_tiny_orpheus_lm,
+    build_tiny_tokenizer,
+)
 
 TEXT = "Hello there! It is a lovely day for a walk in the park, isn't it?"
 
@@ -147,15 +153,8 @@ def build_lm(spec: str, device: str):
     if spec == "tiny":
         return build_tiny_orpheus_lm().to(device), build_tiny_tokenizer()
     if spec == "random-3b":  # canopylabs/orpheus-3b-0.1-ft's architecture, random weights
-        config = LlamaConfig(
-            vocab_size=ORPHEUS_VOCAB, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
-            num_attention_heads=24, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
-            rope_theta=500000.0, tie_word_embeddings=True, eos_token_id=END_OF_SPEECH, pad_token_id=PAD,
-        )  # fmt: skip
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-        with torch.device(device):
-            model = LlamaForCausalLM(config).to(dtype).eval()
-        return model, build_tiny_tokenizer()
+        return build_random_orpheus_3b(device, dtype), build_tiny_tokenizer()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(spec, dtype="auto").to(device).eval()

@@ -39,6 +39,7 @@ class TransformersLLMService(LLMService):
         system_prompt: str | None,
         max_tokens: int | None = None,
         max_sentences: int | None = None,
+        context_tokens: int | None = None,
         **kwargs,
     ):
         super().__init__(
@@ -59,6 +60,7 @@ class TransformersLLMService(LLMService):
         )
         self._engine = engine
         self._max_sentences = max_sentences or None
+        self._context_tokens = context_tokens  # prompt budget: older turns are left out
         self._requests = 0  # engine requests this conversation made: numbers their ids
         self.generating = False
         self.last_output_at = 0.0  # time.monotonic() of the latest text generated
@@ -99,7 +101,7 @@ class TransformersLLMService(LLMService):
         await self.start_ttfb_metrics()
         self.generating = True
         try:
-            messages = await self.chat_messages(frame.context)
+            messages = self._engine.fit(await self.chat_messages(frame.context), self._context_tokens)
             request_id = f"{self.name}-{self._requests}"
             self._requests += 1
             first = True

@@ -16,7 +16,14 @@ from pipecat.utils.text.simple_text_aggregator import SimpleTextAggregator
 from frames.pipecat_internals import use_text_aggregator
 
 CLAUSE_ENDS = ",;:"
-FIRST_CLAUSE_MIN_WORDS = 3  # shorter openings ("Well,") sound clipped when spoken alone
+FIRST_CHUNK_MIN_WORDS = 3  # shorter openings ("Well,") sound clipped when spoken alone
+FIRST_CHUNK_MAX_WORDS = 8  # past this, the first chunk goes at the next word boundary
+# Words a first chunk may end before: the subject is said, the predicate or a clause follows
+# ("The tallest mountain in the world | is Mount Everest").
+BREAK_BEFORE = frozenset(
+    "is are was were has have had will would can could should may might must does do did "
+    "which who that because".split()
+)
 
 
 class SpeechEngine(Protocol):
@@ -45,10 +52,17 @@ def estimate_word_times(text: str, start: float, duration: float) -> list[tuple[
     return times
 
 
-class FirstClauseAggregator(SimpleTextAggregator):
-    """Pipecat's sentence aggregation, except that each reply's first clause goes to the voice as
-    soon as it ends ("The capital of France, ..."), so speaking starts before the LLM has
-    finished the first sentence. The rest of the reply goes sentence by sentence.
+class SpeakableChunkAggregator(SimpleTextAggregator):
+    """What of the LLM's text goes to the voice, and when: the sooner the first words are spoken,
+    the sooner the user hears an answer.
+
+    - A reply's first chunk ends at its first clause ("The capital of France, ..."), or before a
+      verb or relative pronoun once the subject is said ("The tallest mountain in the world | is
+      Mount Everest"), or after FIRST_CHUNK_MAX_WORDS words; the LLM goes on generating while it
+      is spoken.
+    - After that, sentence by sentence. A sentence end followed by a space ends a chunk at once:
+      the LLM service releases text a sentence at a time (services/spoken_reply.py), so Pipecat's
+      wait for the next sentence's first letter would hold a finished sentence back.
 
     Extends SimpleTextAggregator through the hook its docstring offers subclasses
     (`_check_sentence_with_lookahead`) and its buffer `_text`.
@@ -60,19 +74,30 @@ class FirstClauseAggregator(SimpleTextAggregator):
 
     async def _check_sentence_with_lookahead(self, char: str, *, protected_end: int = 0) -> Aggregation | None:
         sentence = await super()._check_sentence_with_lookahead(char, protected_end=protected_end)
+        if sentence is None and char.isspace() and self._text.rstrip().endswith(tuple(SENTENCE_ENDING_PUNCTUATION)):
+            sentence = self._take(len(self._text))
         if sentence is not None:
             self._spoke_first = True
             return sentence
-        if (
-            not self._spoke_first
-            and char in CLAUSE_ENDS
-            and len(self._text.split()) >= FIRST_CLAUSE_MIN_WORDS
-            and not any(c in SENTENCE_ENDING_PUNCTUATION for c in self._text)  # no sentence end pending
-        ):
-            self._spoke_first = True
-            clause, self._text = self._text.strip(" "), ""
-            return Aggregation(text=clause, type=TextType.SENTENCE)
+        if self._spoke_first or any(c in SENTENCE_ENDING_PUNCTUATION for c in self._text):
+            return None  # past the first chunk, or a sentence end is pending
+        words = self._text.split()
+        if char in CLAUSE_ENDS and len(words) >= FIRST_CHUNK_MIN_WORDS:
+            return self._first(len(self._text))
+        if char.isspace() and len(words) > FIRST_CHUNK_MIN_WORDS:
+            if words[-1].lower() in BREAK_BEFORE:  # say the subject; the verb starts the next chunk
+                return self._first(self._text.rstrip().rfind(" ") + 1)
+            if len(words) >= FIRST_CHUNK_MAX_WORDS:
+                return self._first(len(self._text))
         return None
+
+    def _take(self, end: int) -> Aggregation | None:
+        chunk, self._text = self._text[:end].strip(), self._text[end:]
+        return Aggregation(text=chunk, type=TextType.SENTENCE) if chunk else None
+
+    def _first(self, end: int) -> Aggregation | None:
+        self._spoke_first = True
+        return self._take(end)
 
     async def flush(self) -> Aggregation | None:
         self._spoke_first = False  # the reply is over: the next one starts with a clause again
@@ -103,7 +128,7 @@ class LocalTTSService(TTSService):
             settings=TTSSettings(model=None, voice=engine.voice, language=None),
             **kwargs,
         )
-        use_text_aggregator(self, FirstClauseAggregator())
+        use_text_aggregator(self, SpeakableChunkAggregator())
         self._engine = engine
         self._on_sentence = on_sentence  # on_sentence(audio_seconds, wall_seconds), e.g. for metrics
         # Seconds of audio already produced in each audio context: word timestamps count

