@@ -4,26 +4,37 @@ import asyncio
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import FastAPI, Request
+import uvicorn
+
+from fastapi import FastAPI, Header, Request
 from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from loguru import logger
 from pipecat_ai_prebuilt.frontend import PipecatPrebuiltUI
 
 from agent.config import Settings
 from agent.engines import Engines, load_engines_warm
 from agent.server.admission import Admission
+from agent.server.auth import check_api_key
 from agent.server.metrics import CONTENT_TYPE_LATEST, AgentMetrics
 from agent.server.sessions import SessionRegistry, session_capacity
 from agent.transports.webrtc import PeerToPeer
-from agent.transports.websocket import add_websocket_route
+from agent.transports.websocket import WS_MAX_MESSAGE_BYTES, add_websocket_route
 
 WEB_DIR = Path(__file__).resolve().parents[1] / "web"  # the browser demo; its dist/ is committed
 
 
+def uvicorn_config(app: FastAPI, *, host: str, port: int, log_level: str) -> uvicorn.Config:
+    """How the app is served (the CLI, tests and benchmarks alike)."""
+    # uvicorn refuses a WebSocket message over this before reading it (its default is 16 MiB).
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, ws_max_size=WS_MAX_MESSAGE_BYTES)
+
+
 def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
     """The app; without `engines` it loads them itself at startup, in the background."""
-    app = FastAPI(title="voice-agent", lifespan=lifespan)
+    # No /docs, /redoc or /openapi.json: nothing for a stranger to browse.
+    app = FastAPI(title="voice-agent", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.settings = settings
     app.state.engines = engines
     app.state.owns_engines = engines is None  # we load them, so we close them
@@ -42,6 +53,7 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
         app.state.livekit = LiveKitRooms(admission)
         app.state.livekit.add_routes(app)
 
+    app.add_middleware(TrustedHostMiddleware, allowed_hosts=settings.host_names)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", prometheus_metrics, methods=["GET"], include_in_schema=False)
     app.add_api_route("/", root, methods=["GET"], include_in_schema=False)
@@ -81,6 +93,8 @@ async def health(request: Request):
     if engines is None or not engines.ready:
         return JSONResponse({"status": "failed" if app.state.load_failed else "loading"}, status_code=503)
     livekit = app.state.livekit
+    if livekit is not None and livekit.stopped:
+        return JSONResponse({"status": "failed", "reason": "the LiveKit worker stopped"}, status_code=503)
     return {
         "status": "ok",
         "models": {stage: engine.name for stage, engine in engines.by_stage().items()},
@@ -90,7 +104,10 @@ async def health(request: Request):
     }
 
 
-async def prometheus_metrics(request: Request):
+async def prometheus_metrics(request: Request, authorization: str | None = Header(None)):
+    settings = request.app.state.settings
+    if not settings.metrics_public:
+        check_api_key(settings, authorization)
     return Response(request.app.state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -175,15 +175,13 @@ def serve_command(args: argparse.Namespace) -> None:
     # Imported here so that `--help` answers without loading pipecat and torch.
     import uvicorn
 
-    from agent.app import create_app
+    from agent.app import create_app, uvicorn_config
 
     logger.remove()
     logger.add(sys.stderr, level=args.log_level)
     settings = settings_from(args, "host", "port")
     app = create_app(settings)
-    config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_level=args.log_level.lower()
-    )
+    config = uvicorn_config(app, host=settings.host, port=settings.port, log_level=args.log_level.lower())
     asyncio.run(serve_and_announce(uvicorn.Server(config), settings))
 
 

@@ -165,7 +165,28 @@ class Settings(BaseSettings):
         ),
     )
     session_token_ttl_secs: int = Field(600, ge=10, description="Lifetime of browser tokens.")
-    api_key: SecretStr | None = Field(None, description="When set, /api/session needs `Bearer <API_KEY>`.")
+    api_key: SecretStr | None = Field(
+        None, description="When set, every way in (/api/session, /api/offer, /start, /ws) and /metrics need `Bearer <API_KEY>`."
+    )
+    allowed_hosts: str | None = Field(
+        None,
+        description=(
+            "Host names the server answers to, comma-separated (* for any): a DNS-rebinding page "
+            "cannot reach it under another name. Default: loopback names when HOST is a loopback "
+            "address, any otherwise (behind a proxy or in Docker)."
+        ),
+    )
+    allowed_origins: str = Field(
+        "",
+        description=(
+            "Web origins, comma-separated, whose pages may open /ws besides the agent's own; "
+            "clients that are not browsers send no Origin and are not affected."
+        ),
+    )
+    session_requests_per_minute: int = Field(
+        30, ge=1, description="POST /api/session requests one client address may make per minute."
+    )
+    metrics_public: bool = Field(False, description="Serve /metrics without the API key (e.g. to a scraper on a private network).")
 
     host: str = "127.0.0.1"
     port: int = Field(7860, ge=1, le=65535)
@@ -177,6 +198,15 @@ class Settings(BaseSettings):
     def of_stage(self, stage: str, *names: str) -> dict:
         """One stage's settings as an engine's keyword arguments: `of_stage("tts", "voice")` → {"voice": tts_voice}."""
         return {name: getattr(self, f"{stage}_{name}") for name in names}
+
+    @property
+    def host_names(self) -> list[str]:
+        """ALLOWED_HOSTS as a list, with its default filled in."""
+        if self.allowed_hosts is not None:
+            return [h.strip() for h in self.allowed_hosts.split(",") if h.strip()]
+        if self.host in ("127.0.0.1", "localhost", "::1"):
+            return ["127.0.0.1", "localhost", "::1", "[::1]"]
+        return ["*"]
 
     @property
     def livekit_enabled(self) -> bool:

@@ -222,8 +222,8 @@ def build_conversation(
     )
 
 
-async def run_conversation(conversation: Conversation, name: str) -> None:
-    """Run one conversation until its transport ends it (or it is cancelled).
+async def run_conversation(conversation: Conversation, name: str) -> bool:
+    """Run one conversation until its transport ends it (or it is cancelled); False if it failed.
 
     Its failure is logged here and never reaches another conversation in the process.
     """
@@ -235,7 +235,9 @@ async def run_conversation(conversation: Conversation, name: str) -> None:
         await runner.run()
     except Exception:
         logger.exception(f"conversation {name} failed")
+        return False
     finally:
         for chore in chores:
             chore.cancel()
         logger.info(f"conversation {name} ended")
+    return True

@@ -7,11 +7,9 @@ import sys
 import tempfile
 import time
 import wave
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import uvicorn
 from pydantic import SecretStr
 
 from agent.config import Settings
@@ -19,6 +17,7 @@ from agent.livekit_dev_server import DEV_API_KEY, DEV_API_SECRET, LiveKitServerP
 from agent.turn_metrics import TIMELINE
 from bench.report import percentile
 from harness.observe import TurnLog
+from harness.serving import serving  # noqa: F401 (the benchmarks serve the agent with it)
 from harness.speech import normalize, speak_16k
 from services.audio import INPUT_SAMPLE_RATE
 
@@ -90,26 +89,6 @@ def agent_settings(settings: Settings, livekit: LiveKitServerProcess | None) -> 
             "livekit_api_secret": SecretStr(DEV_API_SECRET),
         }
     return settings.model_copy(update=update)
-
-
-@asynccontextmanager
-async def serving(app, port: int):
-    """`app` served by uvicorn in this process and event loop, as `voice-agent serve` runs it."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    task = asyncio.create_task(server.serve())
-    try:
-        await until(lambda: server.started or task.done(), "the HTTP server", STARTUP_SECS)
-        if task.done():
-            raise RuntimeError("the agent's HTTP server failed to start")
-        if getattr(app.state, "livekit", None) is not None:
-            await until(lambda: app.state.livekit.worker_id not in (None, "unregistered"), "the LiveKit worker", STARTUP_SECS)
-        yield app
-    finally:
-        server.should_exit = True
-        try:
-            await asyncio.wait_for(task, 15)
-        except asyncio.TimeoutError:
-            print("warning: uvicorn did not exit within 15 s", flush=True)
 
 
 async def until(condition, what: str, timeout: float, step: float = 0.05):
@@ -213,7 +192,7 @@ async def judge(engines, run: CallerRun, asked: list[tuple[str, tuple]]) -> list
                 "question": question,
                 **waterfall(row, run.agent),
                 "reply": reply_text,
-                "correct": any(answer in words for answer in answers),
+                "correct": any(word.startswith(answer) for word in words for answer in answers),
                 "reply_voiced_seconds": row.get("reply_voiced_seconds"),
                 "repeats_a_phrase": repeats(words),
             }

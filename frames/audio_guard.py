@@ -1,6 +1,7 @@
 """Input audio guard: makes sure only well-formed PCM16 at the pipeline's rate reaches VAD and STT."""
 
 import time
+from collections import OrderedDict
 
 import numpy as np
 import soxr
@@ -11,6 +12,9 @@ from pipecat.processors.frame_processor import FrameDirection, FrameProcessor, F
 from services.audio import INPUT_SAMPLE_RATE, MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
 
 ERROR_LOG_INTERVAL_SECS = 5.0  # a broken client sends 50 bad frames a second; log, don't flood
+# Resamplers kept (one per source rate, least recently used dropped): a real client uses one rate;
+# a hostile one cycling through thousands must not grow the session's memory.
+MAX_RESAMPLERS = 4
 
 
 class InputAudioGuard(FrameProcessor):
@@ -24,7 +28,7 @@ class InputAudioGuard(FrameProcessor):
     def __init__(self, *, on_drop=None, **kwargs):
         super().__init__(**kwargs)
         self._rate = INPUT_SAMPLE_RATE  # the pipeline's, from setup()
-        self._resamplers: dict[int, soxr.ResampleStream] = {}
+        self._resamplers: OrderedDict[int, soxr.ResampleStream] = OrderedDict()
         self._last_logged: dict[str, float] = {}
         self.dropped: dict[str, int] = {}
         self._on_drop = on_drop  # e.g. a metrics counter: on_drop(kind)
@@ -66,6 +70,9 @@ class InputAudioGuard(FrameProcessor):
                 self._log("resampled", f"input audio arrives at {rate} Hz; resampling to {self._rate} Hz")
                 resampler = soxr.ResampleStream(rate, self._rate, 1, dtype="float32")
                 self._resamplers[rate] = resampler
+                if len(self._resamplers) > MAX_RESAMPLERS:
+                    self._resamplers.popitem(last=False)
+            self._resamplers.move_to_end(rate)
             samples = resampler.resample_chunk(samples.astype(np.float32))
         self.resampled_frames += 1
         pcm = np.clip(samples, -32768, 32767).astype(np.int16).tobytes()

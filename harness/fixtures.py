@@ -1,16 +1,13 @@
 """A real livekit-server on loopback, and the agent (HTTP server + LiveKit worker) in the test process."""
 
-import asyncio
-import time
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import pytest
-import uvicorn
 from pydantic import SecretStr
 
 from agent.livekit_dev_server import DEV_API_KEY, DEV_API_SECRET, LiveKitServerProcess, free_port
 from agent.app import create_app
+from harness.serving import serving
 
 API_KEY = "test-api-key"
 
@@ -47,23 +44,4 @@ async def live_agent(livekit_url, engines, settings):
     )
     app = create_app(agent_settings, engines)
     async with serving(app, agent_settings.port):
-        deadline = time.monotonic() + 30
-        while app.state.livekit.worker_id in (None, "unregistered"):
-            assert time.monotonic() < deadline, "the LiveKit worker never registered"
-            await asyncio.sleep(0.1)
         yield LiveAgent(f"http://127.0.0.1:{agent_settings.port}", livekit_url, app)
-
-
-@asynccontextmanager
-async def serving(app, port: int):
-    """`app` served by uvicorn on 127.0.0.1:`port` in this event loop, as `voice-agent serve` runs it."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        assert not task.done(), "the agent's HTTP server failed to start"
-        await asyncio.sleep(0.05)
-    try:
-        yield
-    finally:
-        server.should_exit = True
-        await task

@@ -143,6 +143,7 @@ class WhisperEngine:
         on whole windows, so now and then the decoder loops on a short encoding ("What is it?
         What is it? ..."); that result is refused (None) and the caller encodes the full window.
         """
+        audio = without_leading_quiet(audio)  # at its own length, the encoder pays for pre-roll too
         padded = np.concatenate([audio, np.zeros(int(SHORT_PAD_SECS * WHISPER_SAMPLE_RATE), np.float32)])
         features = self._model.feature_extractor(padded)
         features = features[:, : features.shape[1] // 2 * 2]  # the encoder halves the frame count
@@ -165,6 +166,19 @@ class WhisperEngine:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def without_leading_quiet(audio: np.ndarray, keep_secs: float = 0.3, window_secs: float = 0.02) -> np.ndarray:
+    """`audio` from `keep_secs` before its first window louder than 5 % of its loudest one.
+
+    A segment comes with up to 3 s of pre-roll (frames/stt.py) that is mostly room tone."""
+    window = int(window_secs * WHISPER_SAMPLE_RATE)
+    frames = audio[: audio.size // window * window].reshape(-1, window)
+    if frames.size == 0:
+        return audio
+    loudness = np.sqrt(np.mean(frames**2, axis=1))
+    first = int(np.argmax(loudness > 0.05 * loudness.max()))
+    return audio[max(0, first * window - int(keep_secs * WHISPER_SAMPLE_RATE)) :]
 
 
 def first_of_repeats(text: str) -> str:

@@ -150,7 +150,8 @@ async def test_over_capacity_is_refused_clearly_and_running_rooms_go_on(live_age
 async def test_metrics_are_served_and_move(live_agent, say):
     async def scrape() -> dict[str, float]:
         async with httpx.AsyncClient() as http:
-            response = await http.get(f"{live_agent.http}/metrics")
+            # The agent has an API key: /metrics is behind it (METRICS_PUBLIC is off).
+            response = await http.get(f"{live_agent.http}/metrics", headers={"Authorization": f"Bearer {API_KEY}"})
         assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
         samples = {}
         for family in text_string_to_metric_families(response.text):

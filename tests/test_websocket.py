@@ -14,7 +14,7 @@ from websockets.exceptions import ConnectionClosed
 from agent.livekit_dev_server import free_port
 from agent.app import create_app
 from agent.ws_client import OUTPUT_RATE, VoiceClient
-from harness.fixtures import serving
+from harness.serving import serving
 from harness.speech import normalize, wer
 from tests.test_concurrency import QUESTIONS
 

@@ -63,6 +63,10 @@ class Admission:
         try:
             conversation = build()
             self.sessions.attach(key, conversation)
-            await run_conversation(conversation, key)
+            if not await run_conversation(conversation, key):
+                self.metrics.count_error("conversation")
+        except Exception:
+            self.metrics.count_error("conversation")
+            raise
         finally:
             self.sessions.release(key)

@@ -2,12 +2,13 @@
 
 import asyncio
 import os
+from collections import OrderedDict, deque
 import secrets
 import socket
 import time
 from datetime import timedelta
 
-from fastapi import FastAPI, Header
+from fastapi import FastAPI, Header, HTTPException, Request
 from livekit import api
 from livekit.agents import AgentServer, JobContext, JobExecutorType, JobRequest
 from loguru import logger
@@ -21,6 +22,7 @@ from agent.server.sessions import SessionRegistry
 
 
 WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
+MAX_TRACKED_CLIENTS = 4096  # client addresses remembered for the session rate limit
 
 
 def agent_token(settings: Settings, room: str, identity: str) -> str:
@@ -160,11 +162,31 @@ class LiveKitRooms:
 
     def __init__(self, admission: Admission):
         self._admission = admission
+        # POST /api/session times per client address (most recently seen last), for the rate limit.
+        self._requests: OrderedDict[str, deque[float]] = OrderedDict()
         self.agent_server: AgentServer | None = None
         self._worker: asyncio.Task | None = None
 
+    def _limit_rate(self, client: str, per_minute: int) -> None:
+        """429 when `client` asked for more than `per_minute` sessions in the last minute."""
+        now = time.monotonic()
+        times = self._requests.pop(client, None) or deque()
+        while times and now - times[0] > 60:
+            times.popleft()
+        self._requests[client] = times
+        while len(self._requests) > MAX_TRACKED_CLIENTS:
+            self._requests.popitem(last=False)
+        if len(times) >= per_minute:
+            raise HTTPException(429, "too many session requests; try again in a minute", headers={"Retry-After": "60"})
+        times.append(now)
+
     def add_routes(self, app: FastAPI) -> None:
         app.add_api_route("/api/session", self.new_session, methods=["POST"])
+
+    @property
+    def stopped(self) -> bool:
+        """The worker was started and is no longer running: no new room will be served."""
+        return self._worker is not None and self._worker.done()
 
     @property
     def worker_id(self) -> str | None:
@@ -189,10 +211,11 @@ class LiveKitRooms:
             self._worker.cancel()
             await asyncio.gather(self._worker, return_exceptions=True)
 
-    async def new_session(self, authorization: str | None = Header(None)):
+    async def new_session(self, request: Request, authorization: str | None = Header(None)):
         """A fresh LiveKit room and a short-lived token for it that dispatches the agent."""
         settings = self._admission.settings
         self._admission.check("livekit", authorization)
+        self._limit_rate(request.client.host if request.client else "?", settings.session_requests_per_minute)
         room = f"voice-{secrets.token_hex(8)}"
         return {
             "url": settings.livekit_public_url or settings.livekit_url,

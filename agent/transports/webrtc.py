@@ -15,8 +15,10 @@ from pipecat.transports.smallwebrtc.transport import SmallWebRTCTransport
 
 from agent.conversation import build_conversation
 from agent.server.admission import Admission
+from agent.server.auth import check_api_key
 
 SHUTDOWN_GRACE_SECS = 5
+MAX_SDP_CHARS = 64 * 1024  # a browser's offer is 2-10 KB
 
 
 class PeerToPeer:
@@ -32,15 +34,18 @@ class PeerToPeer:
         app.add_api_route("/api/offer", self.offer, methods=["POST"])
         app.add_api_route("/api/offer", self.ice_candidate, methods=["PATCH"])
 
-    async def start(self):
+    async def start(self, authorization: str | None = Header(None)):
         # The prebuilt client asks /start where to send its offer; without an answer it would
         # POST to /sessions/{id}/api/offer (Pipecat Cloud's layout), which we don't serve.
+        check_api_key(self._admission.settings, authorization)
         self._admission.ready_engines()
         return {"webrtcRequestParams": {"endpoint": "/api/offer"}}
 
     async def offer(self, request: SmallWebRTCRequest, authorization: str | None = Header(None)):
         admission = self._admission
         admission.check("webrtc", authorization)
+        if len(request.sdp) > MAX_SDP_CHARS or request.type != "offer":
+            raise HTTPException(400, f"expected an SDP offer of at most {MAX_SDP_CHARS} characters")
 
         refused: list[HTTPException] = []  # the handler swallows what its callback raises
 
@@ -55,13 +60,25 @@ class PeerToPeer:
             self._conversations.add(task)
             task.add_done_callback(self._conversations.discard)
 
-        answer = await self._handler.handle_web_request(request=request, webrtc_connection_callback=on_new_connection)
+        try:
+            answer = await self._handler.handle_web_request(request=request, webrtc_connection_callback=on_new_connection)
+        except HTTPException:
+            raise
+        except Exception as e:  # aiortc's parser and ICE setup raise plain errors on bad SDP
+            logger.warning(f"refused an offer: {e!r}")
+            raise HTTPException(400, "the SDP offer could not be used") from e
         if refused:
             raise refused[0]
         return answer
 
-    async def ice_candidate(self, request: SmallWebRTCPatchRequest):
-        await self._handler.handle_patch_request(request)
+    async def ice_candidate(self, request: SmallWebRTCPatchRequest, authorization: str | None = Header(None)):
+        check_api_key(self._admission.settings, authorization)
+        try:
+            await self._handler.handle_patch_request(request)
+        except HTTPException:
+            raise
+        except Exception as e:
+            raise HTTPException(400, "the ICE candidate could not be used") from e
         return {"status": "success"}
 
     async def _converse(self, connection: SmallWebRTCConnection, engines) -> None:

@@ -2,6 +2,7 @@
 
 import json
 import secrets
+from urllib.parse import urlsplit
 
 from loguru import logger
 from pipecat.frames.frames import (
@@ -22,6 +23,7 @@ from services.audio import INPUT_SAMPLE_RATE
 
 MAX_AUDIO_MESSAGE_BYTES = 64000  # 2 s of 16 kHz PCM16; clients send 20-100 ms at a time
 MAX_TEXT_MESSAGE_CHARS = 4096
+WS_MAX_MESSAGE_BYTES = 2 * MAX_AUDIO_MESSAGE_BYTES  # past this the server refuses a message unread
 
 
 def error_frame(message: str) -> OutputTransportMessageUrgentFrame:
@@ -86,11 +88,21 @@ class PCMJsonSerializer(FrameSerializer):
         return error_frame(f"unknown message type {message.get('type')!r}")
 
 
+def origin_allowed(origin: str, host: str | None, settings) -> bool:
+    """A browser page may open /ws if it was served by this agent or its origin is allowed."""
+    allowed = {o.strip().rstrip("/") for o in settings.allowed_origins.split(",") if o.strip()}
+    return urlsplit(origin).netloc == host or origin.rstrip("/") in allowed
+
+
 def add_websocket_route(app: FastAPI, admission: Admission) -> None:
     @app.websocket("/ws")
     async def websocket_session(websocket: WebSocket, authorization: str | None = Header(None)):
         """A conversation over one plain WebSocket, for hosts that expose only HTTP. It lasts as
         long as the connection: one per client, for every turn."""
+        origin = websocket.headers.get("origin")
+        if origin is not None and not origin_allowed(origin, websocket.headers.get("host"), admission.settings):
+            await websocket.close(code=1008)  # before accepting: the page gets an HTTP 403
+            return
         await websocket.accept()
         name = f"ws-{secrets.token_hex(4)}"
         try:
