@@ -156,6 +156,9 @@ class Settings(BaseSettings):
     )
     agent_name: str = Field("voice-agent", description="Name the worker registers for explicit dispatch.")
     max_sessions: int = Field(8, ge=1, description="Conversations one process takes before refusing.")
+    no_audio_timeout_secs: float = Field(
+        30.0, gt=0, description="A conversation whose client sends no audio (and hears none) this long ends."
+    )
     drain_grace_secs: float = Field(
         60.0,
         ge=1.0,

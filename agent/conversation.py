@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from loguru import logger
 from pipecat.audio.vad.vad_analyzer import VADParams
-from pipecat.frames.frames import TTSSpeakFrame
+from pipecat.frames.frames import BotSpeakingFrame, InputAudioRawFrame, TTSSpeakFrame
 from pipecat.observers.base_observer import BaseObserver
 from pipecat.pipeline.pipeline import Pipeline
 from pipecat.pipeline.worker import PipelineParams, PipelineWorker
@@ -109,8 +109,15 @@ def build_conversation(
     *,
     metrics: Sequence[ConversationMetrics] = (),
     observers: Sequence[BaseObserver] = (),
+    ends_without_audio: bool = True,
 ) -> Conversation:
-    """The pipeline of one conversation; `metrics` receive its turns, errors and TTS timings."""
+    """The pipeline of one conversation; `metrics` receive its turns, errors and TTS timings.
+
+    With `ends_without_audio`, a client that sends no audio (and hears none) for
+    NO_AUDIO_TIMEOUT_SECS loses its conversation and its slot: a silent socket or a peer that
+    never connected. LiveKit rooms pass False: the room tells when the user leaves, and a muted
+    microphone there sends nothing at all.
+    """
     # The echo canceller hears what the speaker plays (the output filter hands it every chunk)
     # and removes it from the microphone (the input filter) before VAD and STT see it.
     canceller = EchoCanceller(INPUT_SAMPLE_RATE) if settings.echo_cancellation else None
@@ -204,6 +211,9 @@ def build_conversation(
             enable_usage_metrics=True,
         ),
         observers=[turns, *(observers or [])],
+        idle_timeout_frames=(InputAudioRawFrame, BotSpeakingFrame),
+        idle_timeout_secs=settings.no_audio_timeout_secs if ends_without_audio else None,
+        cancel_on_idle_timeout=True,
     )
     return Conversation(
         worker=worker,

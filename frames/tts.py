@@ -17,13 +17,6 @@ from frames.pipecat_internals import use_text_aggregator
 
 CLAUSE_ENDS = ",;:"
 FIRST_CHUNK_MIN_WORDS = 3  # shorter openings ("Well,") sound clipped when spoken alone
-FIRST_CHUNK_MAX_WORDS = 8  # past this, the first chunk goes at the next word boundary
-# Words a first chunk may end before: the subject is said, the predicate or a clause follows
-# ("The tallest mountain in the world | is Mount Everest").
-BREAK_BEFORE = frozenset(
-    "is are was were has have had will would can could should may might must does do did "
-    "which who that because".split()
-)
 
 
 class SpeechEngine(Protocol):
@@ -56,10 +49,10 @@ class SpeakableChunkAggregator(SimpleTextAggregator):
     """What of the LLM's text goes to the voice, and when: the sooner the first words are spoken,
     the sooner the user hears an answer.
 
-    - A reply's first chunk ends at its first clause ("The capital of France, ..."), or before a
-      verb or relative pronoun once the subject is said ("The tallest mountain in the world | is
-      Mount Everest"), or after FIRST_CHUNK_MAX_WORDS words; the LLM goes on generating while it
-      is spoken.
+    - A reply's first chunk ends at its first clause ("The tallest mountain in the world is Mount
+      Everest, | which ..."); the LLM goes on generating while it is spoken. A clause is a place
+      where a pause sounds natural: splitting mid-phrase (before the verb, or after N words) was
+      tried and left a gap inside the sentence whenever the LLM fell behind on a busy machine.
     - After that, sentence by sentence. A sentence end followed by a space ends a chunk at once:
       the LLM service releases text a sentence at a time (services/spoken_reply.py), so Pipecat's
       wait for the next sentence's first letter would hold a finished sentence back.
@@ -81,14 +74,8 @@ class SpeakableChunkAggregator(SimpleTextAggregator):
             return sentence
         if self._spoke_first or any(c in SENTENCE_ENDING_PUNCTUATION for c in self._text):
             return None  # past the first chunk, or a sentence end is pending
-        words = self._text.split()
-        if char in CLAUSE_ENDS and len(words) >= FIRST_CHUNK_MIN_WORDS:
+        if char in CLAUSE_ENDS and len(self._text.split()) >= FIRST_CHUNK_MIN_WORDS:
             return self._first(len(self._text))
-        if char.isspace() and len(words) > FIRST_CHUNK_MIN_WORDS:
-            if words[-1].lower() in BREAK_BEFORE:  # say the subject; the verb starts the next chunk
-                return self._first(self._text.rstrip().rfind(" ") + 1)
-            if len(words) >= FIRST_CHUNK_MAX_WORDS:
-                return self._first(len(self._text))
         return None
 
     def _take(self, end: int) -> Aggregation | None:

@@ -28,6 +28,7 @@ class LocalSession:
             settings,
             metrics=[self.turn_log, *([metrics] if metrics is not None else [])],
             observers=[self.turn_log],
+            ends_without_audio=False,  # tests pause the microphone at will
         )
         self.transport: MemoryTransport = self.conversation.transport
         self._task: asyncio.Task | None = None

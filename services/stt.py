@@ -16,7 +16,8 @@ from services.spoken_reply import words
 
 WHISPER_SAMPLE_RATE = INPUT_SAMPLE_RATE
 WINDOW_SECS = 30.0  # what Whisper's encoder was trained on: every call encodes 30 s, padded
-SHORT_PAD_SECS = 1.0  # silence after a short segment, so the decoder sees the speech end
+SHORT_PAD_SECS = 3.0  # silence after a segment: the decoder sees the speech end (less and it mishears more)
+SHORT_MIN_WINDOW_SECS = 10.0  # and at least this long a window: shorter ones misheard more in our tests
 MAX_WORDS_PER_SECOND = 5.0  # faster than anyone speaks: the decoder is looping
 
 
@@ -144,7 +145,9 @@ class WhisperEngine:
         What is it? ..."); that result is refused (None) and the caller encodes the full window.
         """
         audio = without_leading_quiet(audio)  # at its own length, the encoder pays for pre-roll too
-        padded = np.concatenate([audio, np.zeros(int(SHORT_PAD_SECS * WHISPER_SAMPLE_RATE), np.float32)])
+        window = max(audio.size / WHISPER_SAMPLE_RATE + SHORT_PAD_SECS, SHORT_MIN_WINDOW_SECS)
+        padded = np.zeros(int(window * WHISPER_SAMPLE_RATE), np.float32)
+        padded[: audio.size] = audio
         features = self._model.feature_extractor(padded)
         features = features[:, : features.shape[1] // 2 * 2]  # the encoder halves the frame count
         encoded = self._model.model.encode(get_ctranslate2_storage(features[None]), to_cpu=False)

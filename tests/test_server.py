@@ -158,7 +158,7 @@ async def test_offers_wait_while_models_load(settings):
     # In-process, with engines that are not warm yet: the state a starting server is in.
     app = create_app(settings, engines=SimpleNamespace(ready=False))
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:  # a trusted host
         health = await http.get("/health")
         assert health.status_code == 503
         assert health.json() == {"status": "loading"}

@@ -115,6 +115,7 @@ def room_conversation(ctx: JobContext, room: str, engines: Engines, admission: A
         engines,
         settings,
         metrics=[admission.metrics],
+        ends_without_audio=False,
     )
     transport = conversation.transport
 

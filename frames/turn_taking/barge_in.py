@@ -102,7 +102,11 @@ class BargeInTurnStartStrategy(BaseUserTurnStartStrategy):
             self._judging = self.create_task(self._judge_by_time(), "judge_barge_in")
 
     async def _judge_transcript(self, text: str) -> ProcessFrameResult:
-        if not self._bot_speaking:
+        # A sound that paused the bot is judged by its words even if the bot's audio stopped in the
+        # meantime (a reply's next sentence still being synthesized on a busy machine): "mhm"
+        # must not become a turn because its transcript came during a gap.
+        judging = self._judging is not None or self._gate.paused
+        if not self._bot_speaking and not judging:
             # Words without a VAD turn (very soft speech): Pipecat's transcription strategy does the same.
             await self.trigger_user_turn_started()
             return ProcessFrameResult.STOP

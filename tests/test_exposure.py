@@ -1,0 +1,127 @@
+"""What the HTTP side shows a stranger: with API_KEY set nothing opens without it, bad input gets a 4xx, nothing leaks."""
+
+import asyncio
+
+import httpx
+import numpy as np
+import pytest
+from pipecat.frames.frames import InputAudioRawFrame
+from pydantic import SecretStr
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from agent.app import create_app
+from agent.livekit_dev_server import DEV_API_KEY, DEV_API_SECRET, free_port
+from frames.audio_guard import MAX_RESAMPLERS, InputAudioGuard
+from harness.serving import serving
+
+API_KEY = "exposure-test-key"
+KEY = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="module")
+async def keyed_agent(engines, settings):
+    """The agent as `voice-agent serve` runs it peer to peer, with an API key."""
+    agent_settings = settings.model_copy(update={"api_key": SecretStr(API_KEY), "port": free_port()})
+    async with serving(create_app(agent_settings, engines), agent_settings.port) as app:
+        yield f"127.0.0.1:{agent_settings.port}", app
+
+
+async def test_no_way_in_without_the_key(keyed_agent):
+    address, _ = keyed_agent
+    async with httpx.AsyncClient(base_url=f"http://{address}") as http:
+        offer = {"sdp": "v=0", "type": "offer"}
+        for method, path, body in (("POST", "/api/offer", offer), ("POST", "/start", None), ("GET", "/metrics", None)):
+            response = await http.request(method, path, json=body)
+            assert response.status_code == 401, (path, response.status_code, response.text)
+        ice = {"pc_id": "x", "candidates": []}
+        assert (await http.patch("/api/offer", json=ice)).status_code == 401
+        # With it: the metrics are served, /start answers.
+        assert (await http.get("/metrics", headers=KEY)).status_code == 200
+        assert (await http.post("/start", headers=KEY)).status_code == 200
+        # Nothing to browse: no API docs.
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert (await http.get(path)).status_code == 404, path
+
+
+async def test_a_broken_offer_is_a_client_error_and_leaves_no_session(keyed_agent):
+    address, app = keyed_agent
+    async with httpx.AsyncClient(base_url=f"http://{address}") as http:
+        for offer in ({"sdp": "x", "type": "offer"}, {"sdp": "v=0\r\n" * 20000, "type": "offer"}, {"sdp": "x", "type": "answer"}):
+            response = await http.post("/api/offer", json=offer, headers=KEY)
+            assert 400 <= response.status_code < 500, (response.status_code, response.text)
+    await asyncio.sleep(0.5)
+    assert app.state.sessions.active == 0
+
+
+async def test_health_names_models_without_paths(keyed_agent):
+    address, _ = keyed_agent
+    async with httpx.AsyncClient(base_url=f"http://{address}") as http:
+        health = (await http.get("/health")).json()
+    assert health["status"] == "ok"
+    assert all("/" not in name for name in health["models"].values()), health
+
+
+async def test_an_unknown_host_name_is_refused(keyed_agent):
+    address, _ = keyed_agent
+    async with httpx.AsyncClient(base_url=f"http://{address}") as http:
+        response = await http.get("/health", headers={"Host": "attacker.example"})
+    assert response.status_code == 400
+
+
+async def test_a_foreign_web_page_cannot_open_the_websocket(keyed_agent):
+    address, _ = keyed_agent
+    headers = {**KEY, "Origin": "https://attacker.example"}
+    with pytest.raises(InvalidStatus) as refused:
+        async with connect(f"ws://{address}/ws", additional_headers=headers):
+            pass
+    assert refused.value.response.status_code == 403
+    # The agent's own page (same origin) and non-browser clients (no Origin) get in.
+    async with connect(f"ws://{address}/ws", additional_headers={**KEY, "Origin": f"http://{address}"}) as ws:
+        await ws.send(b"\x00\x00" * 320)
+    async with connect(f"ws://{address}/ws", additional_headers=KEY) as ws:
+        await ws.send(b"\x00\x00" * 320)
+
+
+async def test_a_client_cycling_sample_rates_keeps_few_resamplers(settings):
+    guard = InputAudioGuard()
+    silence = np.zeros(160, dtype=np.int16).tobytes()
+    for rate in range(8000, 8000 + 300 * 7, 7):
+        assert guard._repair(InputAudioRawFrame(audio=silence, sample_rate=rate, num_channels=1)) is not None
+    assert len(guard._resamplers) <= MAX_RESAMPLERS
+
+
+async def test_session_requests_are_rate_limited_per_client(livekit_url, engines, settings):
+    agent_settings = settings.model_copy(
+        update={
+            "livekit_url": livekit_url,
+            "livekit_api_key": DEV_API_KEY,
+            "livekit_api_secret": SecretStr(DEV_API_SECRET),
+            "agent_name": "rate-limit-test",  # not the shared live agent's: it takes no rooms of theirs
+            "session_requests_per_minute": 3,
+            "port": free_port(),
+        }
+    )
+    async with serving(create_app(agent_settings, engines), agent_settings.port):
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{agent_settings.port}") as http:
+            codes = [(await http.post("/api/session")).status_code for _ in range(4)]
+    assert codes == [200, 200, 200, 429], codes
+
+
+async def test_a_client_that_sends_no_audio_is_let_go(engines, settings):
+    agent_settings = settings.model_copy(update={"port": free_port(), "no_audio_timeout_secs": 3.0})
+    async with serving(create_app(agent_settings, engines), agent_settings.port) as app:
+        async with connect(f"ws://127.0.0.1:{agent_settings.port}/ws") as ws:
+            for _ in range(100):
+                if app.state.sessions.active == 1:
+                    break
+                await asyncio.sleep(0.1)
+            assert app.state.sessions.active == 1
+            with pytest.raises(ConnectionClosed):  # the agent ends it; nothing is ever sent
+                while True:
+                    await asyncio.wait_for(ws.recv(), timeout=60)
+        for _ in range(100):
+            if app.state.sessions.active == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert app.state.sessions.active == 0  # the slot is free again
