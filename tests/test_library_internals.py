@@ -91,7 +91,7 @@ async def test_tts_text_aggregation_still_goes_through_the_aggregator_we_set():
     assert "self._text_aggregator.aggregate(" in inspect.getsource(TTSService)
     aggregator = SpeakableChunkAggregator()
     chunks = []
-    for token in ["Well", ", the capital", " of France, as you know", ", is Paris", ". It is", " lovely, truly", ". Bye"]:
+    for token in ["Well", ", the capital", " of France is Paris", ". ", "It is", " lovely, truly", ". Bye"]:
         chunks += [aggregation.text async for aggregation in aggregator.aggregate(token)]
     chunks.append((await aggregator.flush()).text)
-    assert chunks == ["Well, the capital of France,", "as you know, is Paris.", "It is lovely, truly.", "Bye"]
+    assert chunks == ["Well, the capital of France is Paris.", "It is lovely, truly.", "Bye"]

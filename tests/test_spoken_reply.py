@@ -60,9 +60,9 @@ async def chunks_of(tokens: list[str]) -> list[str]:
     return chunks + ([last.text] if last and last.text else [])
 
 
-async def test_the_first_chunk_ends_at_the_first_clause():
+async def test_the_voice_gets_whole_sentences():
     tokens = ["The", " tallest", " mountain", " is", " Everest", ",", " which", " is", " in", " Nepal", ". ", "It", " is", " tall", "."]
-    assert await chunks_of(tokens) == ["The tallest mountain is Everest,", "which is in Nepal.", "It is tall."]
+    assert await chunks_of(tokens) == ["The tallest mountain is Everest, which is in Nepal.", "It is tall."]
 
 
 async def test_a_short_sentence_goes_whole_and_a_finished_sentence_goes_at_once():

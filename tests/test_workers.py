@@ -20,7 +20,7 @@ from agent.config import Settings
 from harness.livekit_caller import LiveKitCaller
 from agent.livekit_dev_server import DEV_API_KEY, DEV_API_SECRET
 from agent.transports.livekit import user_token
-from harness.speech import normalize
+from harness.speech import normalize, wer
 
 AGENT_NAME = "fleet-test"  # not the in-process agent's name: only these workers take these rooms
 DRAIN_GRACE_SECS = 30
@@ -130,11 +130,18 @@ async def test_a_killed_worker_loses_its_rooms_and_the_other_goes_on(fleet, say,
     assert worker_of(caller) == fleet.b.id
     # And a conversation on the survivor is undisturbed: asked now, it answers.
     b_caller = fleet.callers[b_room]
+    asked = len(b_caller.messages)
     _, ended = await b_caller.speak(await say("What is the capital of France?"))
-    await until(lambda: b_caller.last_voice_between(ended, float("inf")) is not None, 60, "an answer")
-    await until(lambda: time.monotonic() - b_caller.last_voice_between(ended, float("inf")) > 1.5, 60, "its end")
+    # Generous: two worker processes with five rooms each, livekit-server and this process share
+    # two cores, and the survivor's LLM has been seen to take 15 s for one sentence.
+    await until(lambda: b_caller.last_voice_between(ended, float("inf")) is not None, 120, "an answer")
+    await until(lambda: time.monotonic() - b_caller.last_voice_between(ended, float("inf")) > 2.5, 120, "its end")
+    # The answer is right, and what was heard is that answer (tiny.en on Opus-coded speech from a
+    # loaded machine mishears single words, e.g. "Paris" as "fair": judged by WER, not one word).
+    reply = "".join(e["data"]["text"] for e in b_caller.messages[asked:] if e.get("type") == "bot-llm-text")
+    assert "paris" in normalize(reply), reply
     spoken = (await engines.stt.transcribe(b_caller.audio(start=ended), 16000)).text
-    assert "paris" in normalize(spoken), spoken
+    assert wer(reply, spoken) <= 0.35, (reply, spoken)
 
 
 async def test_sigterm_drains_the_worker_after_the_reply_it_is_giving(fleet, say):
@@ -142,7 +149,7 @@ async def test_sigterm_drains_the_worker_after_the_reply_it_is_giving(fleet, say
     caller = fleet.callers[b_room]
     asked = len(caller.messages)
     _, ended = await caller.speak(await say("Tell me a long story about a dragon and a brave knight."))
-    await until(lambda: caller.first_voice_after(ended) is not None, 60, "the story to start")
+    await until(lambda: caller.first_voice_after(ended) is not None, 120, "the story to start")
     await asyncio.sleep(1.0)
     terminated = time.monotonic()
     fleet.b.process.send_signal(signal.SIGTERM)

@@ -44,8 +44,9 @@ class PeerToPeer:
     async def offer(self, request: SmallWebRTCRequest, authorization: str | None = Header(None)):
         admission = self._admission
         admission.check("webrtc", authorization)
-        if len(request.sdp) > MAX_SDP_CHARS or request.type != "offer":
-            raise HTTPException(400, f"expected an SDP offer of at most {MAX_SDP_CHARS} characters")
+        if len(request.sdp) > MAX_SDP_CHARS or request.type != "offer" or "m=audio" not in request.sdp:
+            # aiortc answers nearly anything (even "x") and the connection then holds a slot.
+            raise HTTPException(400, f"expected an SDP offer with an audio section, at most {MAX_SDP_CHARS} characters")
 
         refused: list[HTTPException] = []  # the handler swallows what its callback raises
 
