@@ -50,12 +50,7 @@ def load_engines(settings: Settings) -> Engines:
         os.environ.setdefault("HF_TOKEN", settings.hf_token.get_secret_value())
     stt = WhisperEngine(
         settings.stt_model,
-        device=settings.stt_device,
-        compute_type=settings.stt_compute_type,
-        workers=settings.stt_workers,
-        language=settings.stt_language,
-        beam_size=settings.stt_beam_size,
-        short_encode=settings.stt_short_encode,
+        **settings.of_stage("stt", "device", "compute_type", "workers", "language", "beam_size", "short_encode"),
     )
     llm = TransformersLLMEngine.load(
         settings.llm_model,
