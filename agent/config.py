@@ -61,11 +61,12 @@ class Settings(BaseSettings):
         ),
     )
     reply_max_sentences: int = Field(
-        2,
+        0,
         ge=0,
         description=(
             "Sentences in a reply, unless the user asks for more (a story, an explanation, details); "
-            "0 for no limit. A reply also ends before a sentence that repeats it."
+            "0 for no limit (the default until the suite has run green with a limit on a loaded "
+            "machine). A reply always ends before a sentence that repeats it."
         ),
     )
     llm_temperature: float = Field(0.0, ge=0.0, description="0 = greedy.")
