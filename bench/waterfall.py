@@ -10,13 +10,14 @@ import wave
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pydantic import SecretStr
 
 from agent.config import Settings
-from agent.livekit_dev_server import DEV_API_KEY, DEV_API_SECRET, LiveKitServerProcess, free_port
+from agent.livekit_dev_server import LiveKitServerProcess
+from agent.ws_client import write_wav
 from agent.turn_metrics import TIMELINE
 from bench.report import percentile
 from harness.observe import TurnLog
+from harness.serving import agent_settings as with_livekit
 from harness.serving import serving  # noqa: F401 (the benchmarks serve the agent with it)
 from harness.speech import normalize, speak_16k
 from services.audio import INPUT_SAMPLE_RATE
@@ -66,11 +67,7 @@ def question_wavs(directory: Path, audio: list[bytes]) -> list[Path]:
     paths = []
     for i, pcm in enumerate(audio):
         path = directory / f"question-{i:02d}.wav"
-        with wave.open(str(path), "wb") as wav:
-            wav.setnchannels(1)
-            wav.setsampwidth(2)
-            wav.setframerate(INPUT_SAMPLE_RATE)
-            wav.writeframes(pcm)
+        write_wav(path, pcm, INPUT_SAMPLE_RATE)
         paths.append(path)
     return paths
 
@@ -81,14 +78,8 @@ async def spoken_questions(engines, count: int) -> tuple[list[tuple[str, tuple]]
 
 
 def agent_settings(settings: Settings, livekit: LiveKitServerProcess | None) -> Settings:
-    update = {"port": free_port(), "greeting": ""}  # timing starts with the user's first words
-    if livekit is not None:
-        update |= {
-            "livekit_url": livekit.url,
-            "livekit_api_key": DEV_API_KEY,
-            "livekit_api_secret": SecretStr(DEV_API_SECRET),
-        }
-    return settings.model_copy(update=update)
+    # No greeting: timing starts with the user's first words.
+    return with_livekit(settings, livekit.url if livekit is not None else None, greeting="")
 
 
 async def until(condition, what: str, timeout: float, step: float = 0.05):

@@ -5,8 +5,9 @@ from dataclasses import dataclass
 import pytest
 from pydantic import SecretStr
 
-from agent.livekit_dev_server import DEV_API_KEY, DEV_API_SECRET, LiveKitServerProcess, free_port
+from agent.livekit_dev_server import LiveKitServerProcess
 from agent.app import create_app
+from harness.serving import agent_settings as with_livekit
 from harness.serving import serving
 
 API_KEY = "test-api-key"
@@ -33,15 +34,7 @@ class LiveAgent:
 @pytest.fixture(scope="session")
 async def live_agent(livekit_url, engines, settings):
     """The agent as `voice-agent serve` runs it with LiveKit configured, sharing the test's engines."""
-    agent_settings = settings.model_copy(
-        update={
-            "livekit_url": livekit_url,
-            "livekit_api_key": DEV_API_KEY,
-            "livekit_api_secret": SecretStr(DEV_API_SECRET),
-            "api_key": SecretStr(API_KEY),
-            "port": free_port(),
-        }
-    )
+    agent_settings = with_livekit(settings, livekit_url, api_key=SecretStr(API_KEY))
     app = create_app(agent_settings, engines)
     async with serving(app, agent_settings.port):
         yield LiveAgent(f"http://127.0.0.1:{agent_settings.port}", livekit_url, app)

@@ -5,8 +5,11 @@ import time
 from contextlib import asynccontextmanager
 
 import uvicorn
+from pydantic import SecretStr
 
 from agent.app import uvicorn_config
+from agent.config import Settings
+from agent.livekit_dev_server import DEV_API_KEY, DEV_API_SECRET, free_port
 
 STARTUP_SECS = 60.0
 
@@ -33,3 +36,15 @@ async def serving(app, port: int):
             await asyncio.wait_for(task, 15)
         except asyncio.TimeoutError:
             task.cancel()
+
+
+def agent_settings(settings: Settings, livekit_url: str | None = None, **update) -> Settings:
+    """`settings` for an agent served on a free port, pointed at a local livekit-server (dev keys) if given."""
+    if livekit_url is not None:
+        update = {
+            "livekit_url": livekit_url,
+            "livekit_api_key": DEV_API_KEY,
+            "livekit_api_secret": SecretStr(DEV_API_SECRET),
+            **update,
+        }
+    return settings.model_copy(update={"port": free_port(), **update})

@@ -11,8 +11,9 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from agent.app import create_app
-from agent.livekit_dev_server import DEV_API_KEY, DEV_API_SECRET, free_port
+from agent.livekit_dev_server import free_port
 from frames.audio_guard import MAX_RESAMPLERS, InputAudioGuard
+from harness.serving import agent_settings as with_livekit
 from harness.serving import serving
 
 API_KEY = "exposure-test-key"
@@ -92,15 +93,11 @@ async def test_a_client_cycling_sample_rates_keeps_few_resamplers(settings):
 
 
 async def test_session_requests_are_rate_limited_per_client(livekit_url, engines, settings):
-    agent_settings = settings.model_copy(
-        update={
-            "livekit_url": livekit_url,
-            "livekit_api_key": DEV_API_KEY,
-            "livekit_api_secret": SecretStr(DEV_API_SECRET),
-            "agent_name": "rate-limit-test",  # not the shared live agent's: it takes no rooms of theirs
-            "session_requests_per_minute": 3,
-            "port": free_port(),
-        }
+    agent_settings = with_livekit(
+        settings,
+        livekit_url,
+        agent_name="rate-limit-test",  # not the shared live agent's: it takes no rooms of theirs
+        session_requests_per_minute=3,
     )
     async with serving(create_app(agent_settings, engines), agent_settings.port):
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{agent_settings.port}") as http:
