@@ -13,7 +13,7 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 from loguru import logger
 from pipecat_ai_prebuilt.frontend import PipecatPrebuiltUI
 
-from agent.config import Settings
+from agent.config import Settings, scrub_secrets_from_environment
 from agent.engines import Engines, load_engines_warm
 from agent.server.admission import Admission
 from agent.server.auth import check_api_key
@@ -84,6 +84,7 @@ async def start_engines(app: FastAPI) -> None:
             logger.exception("loading the engines failed; the server cannot take calls")
             app.state.load_failed = True
             return
+    scrub_secrets_from_environment()  # read by Settings and the model hub by now
     if app.state.livekit is not None:
         app.state.livekit.start(app.state.engines)
 

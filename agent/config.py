@@ -1,7 +1,8 @@
 """The one configuration object: environment variables and `.env`, with per-profile defaults."""
 
+import os
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -16,6 +17,11 @@ GPU_STT_MODEL = "large-v3-turbo"
 GPU_LLM_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 ORPHEUS_MODEL = "canopylabs/orpheus-3b-0.1-ft"
 SNAC_MODEL = "hubertsiuzdak/snac_24khz"
+
+# Secrets that libraries put into os.environ themselves: livekit-agents 1.8 copies its key, secret
+# and worker token there when its worker starts (`AgentServer.run`), so every child process would
+# inherit them.
+LIBRARY_SECRET_VARIABLES = ("LIVEKIT_API_KEY", "LIVEKIT_API_SECRET", "LIVEKIT_WORKER_TOKEN")
 
 
 class Settings(BaseSettings):
@@ -245,3 +251,15 @@ class Settings(BaseSettings):
         if self.stt_language == "":
             self.stt_language = None
         return self
+
+
+def scrub_secrets_from_environment() -> list[str]:
+    """Remove every secret from os.environ once Settings and the libraries hold it: the names of
+    Settings' secret fields (API_KEY, LIVEKIT_API_SECRET, HF_TOKEN) and `LIBRARY_SECRET_VARIABLES`.
+
+    Child processes (a livekit-server, anything a library spawns) inherit os.environ, and crash
+    reporters dump it. Returns the names removed.
+    """
+    secret_fields = [name.upper() for name, field in Settings.model_fields.items() if SecretStr in get_args(field.annotation)]
+    names = dict.fromkeys([*secret_fields, "HF_TOKEN", *LIBRARY_SECRET_VARIABLES])
+    return [name for name in names if os.environ.pop(name, None) is not None]

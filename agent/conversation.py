@@ -27,6 +27,7 @@ from agent.config import Settings
 from agent.engines import Engines
 from agent.turn_metrics import ConversationMetrics, TurnMetricsObserver
 from frames.audio_guard import InputAudioGuard
+from frames.client_messages import ClientMessageGuard
 from frames.turn_taking.barge_in import BargeInPolicy, BargeInTurnStartStrategy
 from frames.turn_taking.echo import EchoCancellingFilter
 from frames.llm import TransformersLLMService
@@ -211,6 +212,7 @@ def build_conversation(
             enable_usage_metrics=True,
         ),
         observers=[turns, *(observers or [])],
+        rtvi_processor=ClientMessageGuard(),
         idle_timeout_frames=(InputAudioRawFrame, BotSpeakingFrame),
         idle_timeout_secs=settings.no_audio_timeout_secs if ends_without_audio else None,
         cancel_on_idle_timeout=True,

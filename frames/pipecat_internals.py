@@ -16,6 +16,10 @@ from pipecat.utils.text.base_text_aggregator import BaseTextAggregator
 # Pipecat has no public hook before a turn is declared stopped, nor one at turn boundaries.
 OVERRIDDEN_TURN_STOP_HOOKS = ("_maybe_trigger_user_turn_stopped", "_reset")
 
+# The protected hook of RTVIProcessor that ClientMessageGuard overrides: Pipecat dispatches every
+# client message there and has no option to refuse a type or bound a text.
+OVERRIDDEN_RTVI_HOOKS = ("_handle_message", "_send_error_response")
+
 
 def set_stt_pre_roll(stt: SegmentedSTTService, seconds: float) -> None:
     """How much audio a segmented STT keeps from before the VAD's start event.

@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 import soxr
 from loguru import logger
-from pipecat.frames.frames import InputAudioRawFrame
+from pipecat.frames.frames import InputAudioRawFrame, InputTransportMessageFrame, OutputTransportMessageUrgentFrame
+from pipecat.observers.base_observer import BaseObserver, FramePushed
 
+from frames.client_messages import MAX_SEND_TEXT_CHARS
 from harness.local_session import LocalSession
 from services.audio import AudioFormatError
 from harness.speech import wer
@@ -94,3 +96,50 @@ async def test_stt_engine_rejects_invalid_audio_with_a_clear_error(engines):
     # A failed call leaves the shared engine working for everyone else.
     silence = await engines.stt.transcribe(b"\x00\x00" * 16000, 16000)
     assert silence.audio_seconds == pytest.approx(1.0)
+
+
+class ErrorResponses(BaseObserver):
+    """The RTVI error responses a conversation sent its client, by message id."""
+
+    def __init__(self):
+        super().__init__()
+        self.by_id: dict[str, str] = {}
+
+    async def on_push_frame(self, data: FramePushed):
+        message = getattr(data.frame, "message", None)
+        if isinstance(data.frame, OutputTransportMessageUrgentFrame) and isinstance(message, dict):
+            if message.get("type") == "error-response":
+                self.by_id[message["id"]] = message["data"]["error"]
+
+
+async def test_a_client_cannot_flood_the_shared_llm_with_messages(engines, settings):
+    """RTVI client messages (a WebRTC data channel) are refused unless they are what our clients send."""
+    async with LocalSession(engines, settings) as session:
+        errors = ErrorResponses()
+        session.conversation.worker.add_observer(errors)
+        llm = engines.llm.of(session.conversation)
+
+        async def send(id: str, type: str, data: dict) -> None:
+            message = {"label": "rtvi-ai", "type": type, "id": id, "data": data}
+            await session.transport.input().broadcast_frame(InputTransportMessageFrame, message=message)
+
+        await send("flood", "send-text", {"content": "Tell me everything. " * 5000})
+        await send("audio", "raw-audio", {"base64Audio": "AAAA", "sampleRate": 8123, "numChannels": 1})
+        await send("file", "send-file", {"content": {"type": "bytes", "bytes": "AAAA"}})
+        for _ in range(200):
+            if len(errors.by_id) == 3:
+                break
+            await asyncio.sleep(0.1)
+        assert f"at most {MAX_SEND_TEXT_CHARS}" in errors.by_id["flood"], errors.by_id
+        assert "not accepted" in errors.by_id["audio"] and "not accepted" in errors.by_id["file"], errors.by_id
+        assert llm.prompts == []  # nothing reached the LLM
+
+        # A line of typed text is what a client may send: it is answered.
+        await send("line", "send-text", {"content": "What is the capital of France?"})
+        for _ in range(600):
+            if llm.replies and "." in llm.replies[-1]:
+                break
+            await asyncio.sleep(0.1)
+        assert llm.prompts[-1][-1] == {"role": "user", "content": "What is the capital of France?"}
+        assert "paris" in llm.replies[-1].lower(), llm.replies
+        assert "line" not in errors.by_id

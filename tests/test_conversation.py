@@ -48,6 +48,7 @@ def user_messages(session: LocalSession) -> list[str]:
 async def check_two_turns(session: LocalSession, engines, say, turns: list[str]):
     llm = engines.llm.of(session.conversation)
     await session.silence(0.5)
+    answered: list[tuple[list[dict], str]] = []  # each turn's prompt and reply (not withdrawn speculation)
     for i, text in enumerate(turns):
         _, bot_audio = await user_turn(session, say, text)
         # The user was understood.
@@ -60,11 +61,13 @@ async def check_two_turns(session: LocalSession, engines, say, turns: list[str])
         assert bot_audio, f"no bot audio for turn {i + 1}"
         spoken = await engines.stt.transcribe(bot_audio, BOT_RATE)
         assert wer(llm.replies[-1], spoken.text) <= 0.35, (llm.replies[-1], spoken.text)
-    # The second request carried the first exchange.
-    second_prompt = engines.llm.of(session.conversation).prompts[1]
+        answered.append((prompt, llm.replies[-1]))
+    # The second turn's request carried the first exchange (a turn's last request is the one that
+    # was answered: a withdrawn speculation comes before it).
+    (_, first_reply), (second_prompt, _) = answered[:2]
     assert {"role": "user", "content": user_messages(session)[0]} in second_prompt
     # Compared word for word: the context joins the spoken sentences with single spaces.
-    assert {"role": "assistant", "content": " ".join(llm.replies[0].split())} in [
+    assert {"role": "assistant", "content": " ".join(first_reply.split())} in [
         {"role": m["role"], "content": " ".join(m["content"].split())} for m in second_prompt
     ]
 

@@ -1,10 +1,12 @@
 """What the HTTP side shows a stranger: with API_KEY set nothing opens without it, bad input gets a 4xx, nothing leaks."""
 
 import asyncio
+import time
 
 import httpx
 import numpy as np
 import pytest
+from aiortc import RTCPeerConnection
 from pipecat.frames.frames import InputAudioRawFrame
 from pydantic import SecretStr
 from websockets.asyncio.client import connect
@@ -15,6 +17,8 @@ from agent.livekit_dev_server import free_port
 from frames.audio_guard import MAX_RESAMPLERS, InputAudioGuard
 from harness.serving import agent_settings as with_livekit
 from harness.serving import serving
+from harness.speech import normalize
+from agent.ws_client import VoiceClient
 
 API_KEY = "exposure-test-key"
 KEY = {"Authorization": f"Bearer {API_KEY}"}
@@ -122,3 +126,52 @@ async def test_a_client_that_sends_no_audio_is_let_go(engines, settings):
                 break
             await asyncio.sleep(0.1)
         assert app.state.sessions.active == 0  # the slot is free again
+
+
+async def test_junk_offers_and_silent_sockets_cannot_keep_a_user_out(engines, settings, say):
+    """8 junk offers, offers whose peer never connects, and 8 silent sockets: a real user still gets
+    in once the no-audio deadline has passed, and is answered."""
+    no_audio_secs = 5.0
+    agent_settings = settings.model_copy(update={"port": free_port(), "no_audio_timeout_secs": no_audio_secs})
+    async with serving(create_app(agent_settings, engines), agent_settings.port) as app:
+        address = f"127.0.0.1:{agent_settings.port}"
+        async with httpx.AsyncClient(base_url=f"http://{address}") as http:
+            for _ in range(8):
+                junk = await http.post("/api/offer", json={"sdp": "x", "type": "offer"})
+                assert junk.status_code == 400, junk.text
+            peers = [RTCPeerConnection() for _ in range(2)]
+            for peer in peers:  # a real offer, answered, and then nobody connects
+                peer.addTransceiver("audio", direction="sendrecv")
+                await peer.setLocalDescription(await peer.createOffer())
+                offer = {"sdp": peer.localDescription.sdp, "type": "offer"}
+                assert (await http.post("/api/offer", json=offer)).status_code == 200
+        silent = [await connect(f"ws://{address}/ws") for _ in range(8)]
+        capacity = app.state.sessions.capacity
+        for _ in range(100):
+            if app.state.sessions.active == capacity:
+                break
+            await asyncio.sleep(0.1)
+        assert app.state.sessions.active == capacity  # every slot taken
+
+        filled = time.monotonic()
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                async with VoiceClient(f"ws://{address}/ws") as user:
+                    await asyncio.sleep(1.0)
+                    if not user.closed:
+                        reply = await user.ask(await say("What is the capital of France?"))
+                        break
+                    assert "in use" in user.events[-1]["message"], user.events
+            except ConnectionClosed as refused:  # closed before the client's first message went out
+                assert refused.rcvd.code == 1013, refused
+            assert time.monotonic() - filled < no_audio_secs + 30, "the user was kept out past the deadline"
+        assert attempts > 1  # refused while the slots were held, then admitted
+        assert "paris" in normalize(reply.text), reply.text
+        for ws in silent:
+            with pytest.raises(ConnectionClosed):  # each silent socket was let go (or refused at once)
+                while True:
+                    await asyncio.wait_for(ws.recv(), timeout=30)
+        for peer in peers:
+            await peer.close()

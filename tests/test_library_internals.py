@@ -95,3 +95,12 @@ async def test_tts_text_aggregation_still_goes_through_the_aggregator_we_set():
         chunks += [aggregation.text async for aggregation in aggregator.aggregate(token)]
     chunks.append((await aggregator.flush()).text)
     assert chunks == ["Well, the capital of France is Paris.", "It is lovely, truly.", "Bye"]
+
+
+def test_rtvi_still_dispatches_client_messages_through_the_hooks_we_override():
+    # pipecat_internals.OVERRIDDEN_RTVI_HOOKS, used by frames.client_messages.ClientMessageGuard
+    from pipecat.processors.frameworks.rtvi import RTVIProcessor
+
+    for hook in pipecat_internals.OVERRIDDEN_RTVI_HOOKS:
+        assert inspect.iscoroutinefunction(getattr(RTVIProcessor, hook)), hook
+    assert "await self._handle_message(" in inspect.getsource(RTVIProcessor._message_task_handler)

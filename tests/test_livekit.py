@@ -161,9 +161,27 @@ async def test_leaving_mid_answer_ends_only_that_session(live_agent, engines, sa
     assert threading.active_count() <= threads_before, [t.name for t in threading.enumerate()]
 
 
+def sip_token(settings, room: str) -> str:
+    """What livekit-sip joins a call's room with: a SIP participant that may send data (DTMF),
+    dispatching the agent as a SIP dispatch rule does."""
+    grants = api.VideoGrants(room_join=True, room=room, can_publish=True, can_subscribe=True, can_publish_data=True)
+    return (
+        api.AccessToken("devkey", "secret")
+        .with_identity("sip-caller")
+        .with_kind("sip")
+        .with_grants(grants)
+        .with_room_config(api.RoomConfiguration(agents=[api.RoomAgentDispatch(agent_name=settings.agent_name)]))
+        .to_jwt()
+    )
+
+
 async def test_keypad_digits_reach_the_conversation(live_agent, engines):
-    # The packets livekit-sip turns a caller's RFC 4733 digits into, sent here by a participant.
-    caller, room = await join_room(live_agent)
+    # The packets livekit-sip turns a caller's RFC 4733 digits into, sent by a SIP participant
+    # (a browser's token may not send data).
+    room = "keypad-call"
+    caller = LiveKitCaller(live_agent.livekit_url, sip_token(live_agent.app.state.settings, room))
+    await caller.join()
+    await caller.wait_for_agent()
     try:
         await caller.silence(0.5)
         for code, digit in [(4, "4"), (2, "2"), (11, "#")]:  # "#" ends the entry at once
@@ -179,7 +197,7 @@ async def test_keypad_digits_reach_the_conversation(live_agent, engines):
         await caller.leave()
 
 
-async def test_tokens_are_scoped_to_one_room_and_expire(live_agent):
+async def test_tokens_are_scoped_to_one_room_and_a_microphone_and_expire(live_agent):
     session = await open_session(live_agent)
     claims = api.TokenVerifier("devkey", "secret").verify(session["token"])
     assert claims.video.room == session["room"] and claims.video.room_join
@@ -188,6 +206,16 @@ async def test_tokens_are_scoped_to_one_room_and_expire(live_agent):
     room = rtc.Room()
     await room.connect(session["url"], session["token"])
     assert room.name == session["room"]
+    # It may publish a microphone and nothing else: no other source, and no data (RTVI text) into
+    # the conversation. livekit-server ignores a refused publication: the client times out.
+    assert claims.video.can_publish_sources == ["microphone"] and not claims.video.can_publish_data
+    source = rtc.AudioSource(SAMPLE_RATE, 1)
+    screen = rtc.LocalAudioTrack.create_audio_track("screen-audio", source)
+    with pytest.raises(Exception, match="(?i)timed out|permission|not allowed"):
+        options = rtc.TrackPublishOptions(source=rtc.TrackSource.SOURCE_SCREENSHARE_AUDIO)
+        await asyncio.wait_for(room.local_participant.publish_track(screen, options), 30)
+    microphone = rtc.LocalAudioTrack.create_audio_track("microphone", source)
+    await room.local_participant.publish_track(microphone, rtc.TrackPublishOptions(source=rtc.TrackSource.SOURCE_MICROPHONE))
     await room.disconnect()
 
     # Expired two minutes ago: beyond the server's one-minute allowance for clock skew.
@@ -207,3 +235,18 @@ async def test_session_endpoint_needs_the_api_key(live_agent):
         missing = await http.post(f"{live_agent.http}/api/session")
         wrong = await http.post(f"{live_agent.http}/api/session", headers={"Authorization": "Bearer nope"})
     assert missing.status_code == 401 and wrong.status_code == 401
+
+
+async def test_no_secret_reaches_a_child_process(live_agent):
+    # livekit-agents copies its credentials into os.environ when its worker starts; once it has
+    # registered, the agent has taken them (and its own) out again.
+    livekit = live_agent.app.state.livekit
+    deadline = time.monotonic() + 60
+    while livekit.worker_id in (None, "unregistered"):
+        assert time.monotonic() < deadline, "the worker never registered"
+        await asyncio.sleep(0.2)
+    child = await asyncio.create_subprocess_exec("env", stdout=asyncio.subprocess.PIPE)
+    environment = (await child.communicate())[0].decode()
+    names = {line.split("=", 1)[0] for line in environment.splitlines()}
+    assert not names & {"LIVEKIT_API_KEY", "LIVEKIT_API_SECRET", "LIVEKIT_WORKER_TOKEN", "API_KEY"}, names
+    assert API_KEY not in environment

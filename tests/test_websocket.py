@@ -110,6 +110,7 @@ async def test_bad_messages_get_errors_and_the_connection_stays_usable(ws_url, s
         json.dumps({"type": "start", "sample_rate": 8000}),  # a rate the server does not take
         b"\x01" * 70000,  # oversize audio
         b"\x01\x02\x03",  # odd byte count: not PCM16
+        "[" * 2000 + "]" * 2000,  # under the size cap, nested past the JSON parser's stack
     ]
 
     async def misbehave_then_talk() -> str:

@@ -14,7 +14,7 @@ from livekit.agents import AgentServer, JobContext, JobExecutorType, JobRequest
 from loguru import logger
 from pipecat.transports.livekit.transport import LiveKitParams, LiveKitTransport
 
-from agent.config import Settings
+from agent.config import Settings, scrub_secrets_from_environment
 from agent.conversation import Conversation, build_conversation
 from agent.engines import Engines
 from agent.server.admission import Admission
@@ -46,8 +46,15 @@ def user_token(settings: Settings, room: str, identity: str) -> str:
         .with_identity(identity)
         .with_ttl(timedelta(seconds=settings.session_token_ttl_secs))
         .with_grants(
+            # A microphone and nothing else: no camera or screen to forward, and no data messages
+            # (RTVI text) into the shared LLM; the agent's events still reach the browser.
             api.VideoGrants(
-                room_join=True, room=room, can_publish=True, can_subscribe=True, can_publish_data=True
+                room_join=True,
+                room=room,
+                can_publish=True,
+                can_publish_sources=["microphone"],
+                can_subscribe=True,
+                can_publish_data=False,
             )
         )
         .with_room_config(
@@ -74,6 +81,8 @@ def create_agent_server(engines: Engines, admission: Admission) -> AgentServer:
         num_idle_processes=settings.max_sessions,
         port=0,  # the worker's own health endpoint: any free port; ours is on the HTTP server
     )
+    # Registered means the worker has copied its credentials into os.environ (and used them).
+    server.on("worker_registered", lambda *_: scrub_secrets_from_environment())
 
     async def on_request(request: JobRequest) -> None:
         if sessions.full:

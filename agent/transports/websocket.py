@@ -75,7 +75,7 @@ class PCMJsonSerializer(FrameSerializer):
             return error_frame(f"text message of {len(data)} characters refused: at most {MAX_TEXT_MESSAGE_CHARS}")
         try:
             message = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: "[[[[…" nested past the parser's stack
             logger.warning(f"websocket: refused a text message that is not JSON ({len(data)} chars)")
             return error_frame("text messages must be JSON objects")
         if not isinstance(message, dict):

@@ -64,10 +64,15 @@ class BargeInTurnStartStrategy(BaseUserTurnStartStrategy):
         self._bot_speaking = False
         self._user_speaking = False
         self._judging: asyncio.Task | None = None
+        # A sound that paused the bot is owed a judgement by its words, however late its transcript:
+        # on a busy machine it can come after the time judgement let the bot go on, in a gap
+        # between two sentences, where it would otherwise start a turn of its own.
+        self._sound_over_bot = False
         self.false_interruptions = 0  # sounds that paused the bot and were let go
 
     async def handle_user_turn_started(self):
         self._bot_speaking = False
+        self._sound_over_bot = False
         await self._stop_judging()
 
     async def cleanup(self):
@@ -98,6 +103,7 @@ class BargeInTurnStartStrategy(BaseUserTurnStartStrategy):
     def _listen(self):
         """Pause the bot and judge the user's sound."""
         self._gate.pause()
+        self._sound_over_bot = True
         if self._judging is None:
             self._judging = self.create_task(self._judge_by_time(), "judge_barge_in")
 
@@ -105,11 +111,11 @@ class BargeInTurnStartStrategy(BaseUserTurnStartStrategy):
         # A sound that paused the bot is judged by its words even if the bot's audio stopped in the
         # meantime (a reply's next sentence still being synthesized on a busy machine): "mhm"
         # must not become a turn because its transcript came during a gap.
-        judging = self._judging is not None or self._gate.paused
-        if not self._bot_speaking and not judging:
+        if not self._bot_speaking and not self._sound_over_bot:
             # Words without a VAD turn (very soft speech): Pipecat's transcription strategy does the same.
             await self.trigger_user_turn_started()
             return ProcessFrameResult.STOP
+        self._sound_over_bot = False
         words = real_words(text)
         if len(words) >= self._policy.min_words:
             logger.debug(f"{self}: barge-in on [{text}]")

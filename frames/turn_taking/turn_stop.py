@@ -48,6 +48,9 @@ class SpeculativeTurnStopStrategy(TurnAnalyzerUserTurnStopStrategy):
         self._untranscribed: list[float] = []  # VAD-stop times of segments still owed a transcript
         self._stop_held = False  # the turn was complete but a transcript was still on its way
         self._speculation: UserTurnSpeculation | None = None
+        # Pipecat hands stop strategies every frame, in a turn or not: a hum over the bot's reply
+        # that the barge-in policy let go is no turn, and must not start a speculative reply.
+        self._in_turn = False
 
     async def process_frame(self, frame: Frame) -> ProcessFrameResult:
         if isinstance(frame, VADUserStartedSpeakingFrame):
@@ -64,6 +67,7 @@ class SpeculativeTurnStopStrategy(TurnAnalyzerUserTurnStopStrategy):
         turn = turn_stop_state(self)
         if (
             self._speculate
+            and self._in_turn
             and self._speculation is None
             and turn["vad_stopped"]
             and not turn["user_speaking"]
@@ -76,6 +80,14 @@ class SpeculativeTurnStopStrategy(TurnAnalyzerUserTurnStopStrategy):
             logger.debug(f"{self}: turn incomplete, answering [{self._speculation.text}] speculatively")
             await self.trigger_user_turn_inference_triggered(speculation=self._speculation)
         return result
+
+    async def handle_user_turn_started(self):
+        await super().handle_user_turn_started()
+        self._in_turn = True
+
+    async def handle_user_turn_stopped(self):
+        self._in_turn = False
+        await super().handle_user_turn_stopped()
 
     # Overrides a protected hook (see frames/pipecat_internals.py): the last moment to hold the stop.
     async def _maybe_trigger_user_turn_stopped(self):
