@@ -132,12 +132,14 @@ async def test_talk_to_the_agent_in_a_browser_and_cut_in(live_agent, engines, sa
     # Barge-in: once the user starts the second question, the agent's audio stops.
     user_spans = voiced_spans(result["trace"], 1)
     agent_spans = voiced_spans(result["trace"], 2)
-    cut_in_at = next(start for start, _ in user_spans if start > LEAD_IN_SECS + 3.5)
-    # The agent's reply, with pauses between its sentences (a loaded CPU leaves ~1.5 s gaps) joined.
-    replies = join_spans(agent_spans, gap=2.0)
-    talking = [span for span in replies if span[0] < cut_in_at < span[1] + 0.3]
-    assert talking, f"the agent was not talking when the user cut in ({agent_spans}, cut-in at {cut_in_at:.2f})"
-    stopped_after = talking[0][1] - cut_in_at
+    # The user's cut-in (its pauses joined), and the agent's audio while the user said it: the
+    # story, since the answer to the cut-in starts only after it. On a loaded CPU the cut-in can
+    # land in a pause between two of the story's sentences; then nothing is playing, and what
+    # counts is that no more of the story plays (the transcript above shows it was cut off).
+    cut_in_at, cut_in_end = next(span for span in join_spans(user_spans, gap=1.0) if span[0] > LEAD_IN_SECS + 3.5)
+    assert any(start < cut_in_at for start, _ in agent_spans), f"the agent had not begun its reply ({agent_spans}, cut-in at {cut_in_at:.2f})"
+    during = [min(end, cut_in_end) for start, end in agent_spans if start < cut_in_end and end > cut_in_at]
+    stopped_after = max(during, default=cut_in_at) - cut_in_at
     print(f"browser: agent audio stopped {stopped_after:.2f}s after the cut-in; latencies {observed['latencies']}")
     # Correctness, not speed (tests/test_livekit.py holds barge-in to 0.5 s): this figure also
     # holds Chromium's jitter buffer, the page meter's sampling and the 0.3 s gap joining above,
