@@ -261,5 +261,5 @@ def scrub_secrets_from_environment() -> list[str]:
     reporters dump it. Returns the names removed.
     """
     secret_fields = [name.upper() for name, field in Settings.model_fields.items() if SecretStr in get_args(field.annotation)]
-    names = dict.fromkeys([*secret_fields, "HF_TOKEN", *LIBRARY_SECRET_VARIABLES])
+    names = dict.fromkeys([*secret_fields, *LIBRARY_SECRET_VARIABLES])
     return [name for name in names if os.environ.pop(name, None) is not None]

@@ -20,7 +20,7 @@ class ClientMessageGuard(RTVIProcessor):
             await self._send_error_response(message.id, f"message type {message.type!r} is not accepted")
             return
         if message.type == "send-text":
-            content = (message.data or {}).get("content") if isinstance(message.data, dict) else None
+            content = message.data.get("content") if isinstance(message.data, dict) else None
             if isinstance(content, str) and len(content) > MAX_SEND_TEXT_CHARS:
                 await self._send_error_response(
                     message.id, f"text of {len(content)} characters refused: at most {MAX_SEND_TEXT_CHARS}"

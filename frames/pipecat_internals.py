@@ -16,8 +16,8 @@ from pipecat.utils.text.base_text_aggregator import BaseTextAggregator
 # Pipecat has no public hook before a turn is declared stopped, nor one at turn boundaries.
 OVERRIDDEN_TURN_STOP_HOOKS = ("_maybe_trigger_user_turn_stopped", "_reset")
 
-# The protected hook of RTVIProcessor that ClientMessageGuard overrides: Pipecat dispatches every
-# client message there and has no option to refuse a type or bound a text.
+# The protected hooks of RTVIProcessor that ClientMessageGuard overrides or calls: Pipecat dispatches
+# every client message in the first and has no option to refuse a type or bound a text.
 OVERRIDDEN_RTVI_HOOKS = ("_handle_message", "_send_error_response")
 
 
