@@ -1,5 +1,6 @@
 """Speculative replies: a turn judged incomplete is answered while smart-turn waits, withdrawn if the user goes on."""
 
+import asyncio
 import dataclasses
 
 import pytest
@@ -143,3 +144,27 @@ async def test_user_resuming_withdraws_the_speculation(engines, settings, say):
 
 if __name__ == "__main__":
     pytest.main([__file__, "-x", "-q"])
+
+
+async def test_a_client_that_stops_sending_audio_still_gets_the_speculative_reply(engines, settings, say):
+    # Opus DTX, a phone's silence suppression or a /ws client sending only speech: after the
+    # question no audio arrives, so smart-turn's silence never adds up. The speculation stands
+    # after that much wall-clock silence; it is not withdrawn and asked again.
+    text = "I was wondering if you could tell me and um"
+    before = dataclasses.replace(engines.llm.stats)
+    async with LocalSession(engines, settings) as session:
+        traffic = watch(session)
+        await session.silence(0.5)
+        await session.speak(await say(text))
+        ended = session.now()
+        deadline = ended + 40.0
+        while not (reply := [c for c in session.played if c.started_at >= ended]) or (
+            session.now() - (reply[-1].started_at + reply[-1].seconds) < 1.5
+        ):
+            assert session.now() < deadline, "no finished reply within 40 s"
+            await asyncio.sleep(0.1)  # the microphone sends nothing
+    stats = engines.llm.stats
+    assert [speculative for _, speculative in traffic.requests] == [True], traffic.requests
+    assert (stats.started - before.started, stats.cancelled - before.cancelled) == (1, 0), stats
+    assert len(user_messages(session)) == 1, user_messages(session)
+    await check_one_spoken_reply(session, engines, traffic, after=ended)

@@ -1,6 +1,7 @@
 """When the user's sound starts a turn: at once while the bot is quiet; while it talks, only for real words."""
 
 import asyncio
+import difflib
 import re
 from dataclasses import dataclass
 
@@ -32,6 +33,9 @@ class BargeInPolicy:
     min_words: int = 1  # words beyond backchannels that make a sound a barge-in
     min_speech_secs: float = 1.2  # speech this long is a barge-in before any transcript exists
     false_interruption_secs: float = 1.5  # no real words by then: the bot resumes where it paused
+    # Over a speakerphone the canceller leaves some echo, and Whisper writes it down as the bot's
+    # own words: words the bot has just said (or near spellings of them) are no barge-in.
+    ignore_echoed_words: bool = False
 
 
 HUMS = re.compile(r"^(?:[mhn]+|u+h+m*|u+m+)$")  # "mmm", "mhm", "hmmm", "uhm": Whisper spells hums many ways
@@ -40,6 +44,11 @@ HUMS = re.compile(r"^(?:[mhn]+|u+h+m*|u+m+)$")  # "mmm", "mhm", "hmmm", "uhm": W
 def real_words(text: str) -> list[str]:
     words = re.sub(r"[^a-z' ]+", " ", text.lower().replace("-", " ")).split()
     return [w for w in words if w not in BACKCHANNEL_WORDS and not HUMS.match(w)]
+
+
+def echoed(word: str, bot_words) -> bool:
+    """The bot said this word lately, as Whisper may spell it from a faint echo ("hope" for "hoped")."""
+    return bool(difflib.get_close_matches(word, set(bot_words), n=1, cutoff=0.8))
 
 
 class BargeInTurnStartStrategy(BaseUserTurnStartStrategy):
@@ -117,6 +126,8 @@ class BargeInTurnStartStrategy(BaseUserTurnStartStrategy):
             return ProcessFrameResult.STOP
         self._sound_over_bot = False
         words = real_words(text)
+        if self._policy.ignore_echoed_words:
+            words = [w for w in words if not echoed(w, self._gate.recent_words)]
         if len(words) >= self._policy.min_words:
             logger.debug(f"{self}: barge-in on [{text}]")
             await self._barge_in()

@@ -1,12 +1,21 @@
 """Pausable bot playback: holds the agent's audio while a possible barge-in is judged, then resumes or drops it."""
 
 import asyncio
+import re
 import time
+from collections import deque
 from collections.abc import Callable
 from enum import Enum
 
 from pipecat.audio.filters.base_audio_filter import BaseAudioFilter
-from pipecat.frames.frames import Frame, FilterControlFrame, InterruptionFrame, SystemFrame, TTSStartedFrame
+from pipecat.frames.frames import (
+    FilterControlFrame,
+    Frame,
+    InterruptionFrame,
+    SystemFrame,
+    TTSStartedFrame,
+    TTSTextFrame,
+)
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 
 
@@ -37,6 +46,8 @@ class PlaybackGate(BaseAudioFilter):
         self.sample_rate = 0
         self._on_played = on_played
         self.last_played_at = 0.0  # time.monotonic() of the latest chunk let through
+        # The bot's latest words as they are played (about 10 s of speech): what its echo can say.
+        self.recent_words: deque[str] = deque(maxlen=30)
         self._released = asyncio.Event()
         self._released.set()
         self.processor = PlaybackGateProcessor(self)
@@ -130,5 +141,10 @@ class PlayedTextGate(FrameProcessor):
                     return
                 held, self._held = self._held, []
                 for earlier in held:
-                    await self.push_frame(earlier, direction)
+                    await self._pass(earlier)
+        await self._pass(frame, direction)
+
+    async def _pass(self, frame: Frame, direction: FrameDirection = FrameDirection.DOWNSTREAM):
+        if isinstance(frame, TTSTextFrame):
+            self._gate.recent_words.extend(re.findall(r"[a-z']+", frame.text.lower()))
         await self.push_frame(frame, direction)

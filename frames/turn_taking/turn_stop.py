@@ -1,5 +1,6 @@
 """Smart-turn end of turn that waits for every segment's transcript and answers pauses speculatively."""
 
+import asyncio
 import time
 
 from loguru import logger
@@ -36,6 +37,12 @@ class SpeculativeTurnStopStrategy(TurnAnalyzerUserTurnStopStrategy):
     Pipecat's strategy then ends the turn at its STT timeout with that earlier transcript in
     hand, and the last words start a turn of their own (two replies, the first to half the
     question). Here the turn, and a speculation, wait for every segment's transcript.
+
+    Smart-turn counts its silence in the audio it is given, and a client may stop sending
+    audio when the user stops talking (Opus DTX, a phone's silence suppression, a /ws client
+    that sends only speech). Then no silence adds up, and Pipecat's 5 s stop watchdog ended
+    the turn and threw the speculation away to answer the same words again. Here a speculation
+    also confirms itself after smart-turn's silence timeout of wall-clock time.
     """
 
     def __init__(self, *, speculate: bool = True, **kwargs):
@@ -48,6 +55,8 @@ class SpeculativeTurnStopStrategy(TurnAnalyzerUserTurnStopStrategy):
         self._untranscribed: list[float] = []  # VAD-stop times of segments still owed a transcript
         self._stop_held = False  # the turn was complete but a transcript was still on its way
         self._speculation: UserTurnSpeculation | None = None
+        self._silence_secs = kwargs["turn_analyzer"].params.stop_secs
+        self._silence_timer: asyncio.Task | None = None
         # Pipecat hands stop strategies every frame, in a turn or not: a hum over the bot's reply
         # that the barge-in policy let go is no turn, and must not start a speculative reply.
         self._in_turn = False
@@ -79,7 +88,15 @@ class SpeculativeTurnStopStrategy(TurnAnalyzerUserTurnStopStrategy):
             self._speculation = UserTurnSpeculation(text=concatenate_aggregated_text(self._parts))
             logger.debug(f"{self}: turn incomplete, answering [{self._speculation.text}] speculatively")
             await self.trigger_user_turn_inference_triggered(speculation=self._speculation)
+            self._silence_timer = self.create_task(self._end_turn_after_silence(), "speculation_silence")
         return result
+
+    async def _end_turn_after_silence(self):
+        await asyncio.sleep(self._silence_secs)
+        self._silence_timer = None  # the stop below must not cancel the task running it
+        if self._speculation is not None and not turn_stop_state(self)["user_speaking"]:
+            logger.debug(f"{self}: {self._silence_secs:.1f}s of silence, the speculative reply stands")
+            await self.trigger_user_turn_stopped()
 
     async def handle_user_turn_started(self):
         await super().handle_user_turn_started()
@@ -97,6 +114,7 @@ class SpeculativeTurnStopStrategy(TurnAnalyzerUserTurnStopStrategy):
 
     async def trigger_user_turn_stopped(self, *, enable_user_speaking_frames: bool | None = None):
         speculation, self._speculation = self._speculation, None
+        await self._stop_silence_timer()
         if speculation and self._match.matches(speculation.text, concatenate_aggregated_text(self._parts)):
             # The reply to this text is generated (or generating) already: release it, don't rerun.
             await self.trigger_user_turn_finalized(
@@ -121,7 +139,17 @@ class SpeculativeTurnStopStrategy(TurnAnalyzerUserTurnStopStrategy):
         self._untranscribed = [t for t in self._untranscribed if now - t < TRANSCRIPT_WAIT_SECS]
         return bool(self._untranscribed)
 
+    async def cleanup(self):
+        await self._stop_silence_timer()
+        await super().cleanup()
+
+    async def _stop_silence_timer(self):
+        if self._silence_timer is not None:
+            task, self._silence_timer = self._silence_timer, None
+            await self.task_manager.cancel_task(task)
+
     async def _withdraw(self, reason: str):
+        await self._stop_silence_timer()
         if self._speculation is not None:
             logger.debug(f"{self}: withdrawing the speculative reply ({reason})")
             self._speculation = None
