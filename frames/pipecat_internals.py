@@ -31,6 +31,24 @@ def set_stt_pre_roll(stt: SegmentedSTTService, seconds: float) -> None:
     stt._audio_buffer_size_1s = int(stt.sample_rate * 2 * seconds)
 
 
+def segment_in_progress(stt: SegmentedSTTService) -> bytearray | None:
+    """The PCM a segmented STT has buffered for the speech segment in progress, if one is (no public accessor)."""
+    return stt._audio_buffer if stt._user_speaking else None
+
+
+async def transcribe_segment_head(stt: SegmentedSTTService, frame, length: int) -> None:
+    """Transcribe the first `length` bytes of the segment in progress as a segment of their own;
+    the rest stays buffered and the segment goes on.
+
+    Pipecat transcribes a segment only at the VAD's stop, and has no option to cap its length.
+    """
+    tail = bytes(stt._audio_buffer[length:])
+    del stt._audio_buffer[length:]
+    await stt._handle_user_stopped_speaking(frame)  # queues the buffer and clears it
+    stt._audio_buffer += tail
+    stt._user_speaking = True
+
+
 def silero_model_on(session: ort.InferenceSession) -> SileroOnnxModel:
     """Pipecat's Silero wrapper (its recurrent state) around an already open ONNX session.
 

@@ -2,15 +2,22 @@
 
 from collections.abc import AsyncGenerator
 
+import numpy as np
 from loguru import logger
-from pipecat.frames.frames import ErrorFrame, Frame, TranscriptionFrame
-from pipecat.processors.frame_processor import FrameProcessorSetup
+from pipecat.frames.frames import (
+    ErrorFrame,
+    Frame,
+    InputAudioRawFrame,
+    TranscriptionFrame,
+    VADUserStoppedSpeakingFrame,
+)
+from pipecat.processors.frame_processor import FrameDirection, FrameProcessorSetup
 from pipecat.services.settings import STTSettings
 from pipecat.services.stt_service import SegmentedSTTService
 from pipecat.transcriptions.language import Language
 from pipecat.utils.time import time_now_iso8601
 
-from frames.pipecat_internals import set_stt_pre_roll
+from frames.pipecat_internals import segment_in_progress, set_stt_pre_roll, transcribe_segment_head
 from services.audio import AudioFormatError
 from services.stt import WhisperEngine
 
@@ -19,6 +26,9 @@ from services.stt import WhisperEngine
 # machine that lag passed Pipecat's 1 s and clipped the user's first words ("...weather lichen
 # pairs"). Whisper ignores the extra leading silence.
 PRE_ROLL_SECS = 3.0
+# Longest stretch of speech transcribed at once: Whisper's own window. A user who talks on without
+# a pause is transcribed every 30 s, so neither the buffer nor one transcription grows with them.
+MAX_SEGMENT_SECS = 30.0
 
 
 class WhisperSTTService(SegmentedSTTService):
@@ -45,6 +55,14 @@ class WhisperSTTService(SegmentedSTTService):
     def can_generate_metrics(self) -> bool:
         return True
 
+    async def process_audio_frame(self, frame: InputAudioRawFrame, direction: FrameDirection):
+        await super().process_audio_frame(frame, direction)
+        segment = segment_in_progress(self)
+        if segment is not None and len(segment) >= MAX_SEGMENT_SECS * self.sample_rate * 2:
+            cut = quietest_point(segment, self.sample_rate)
+            logger.debug(f"{self}: {MAX_SEGMENT_SECS:.0f}s of speech without a pause, transcribing {cut / (2 * self.sample_rate):.1f}s of it")
+            await transcribe_segment_head(self, VADUserStoppedSpeakingFrame(), cut)
+
     async def run_stt(self, audio: bytes) -> AsyncGenerator[Frame, None]:
         await self.start_processing_metrics()
         try:
@@ -68,6 +86,19 @@ class WhisperSTTService(SegmentedSTTService):
                 language=_language(transcript.language),
                 result=transcript,
             )
+
+
+def quietest_point(pcm: bytearray, sample_rate: int, search_secs: float = 1.0, window_secs: float = 0.02) -> int:
+    """Byte offset of the quietest 20 ms in the last second of `pcm`: most likely a gap between words,
+    where a cut costs Whisper no word on either side."""
+    window = int(sample_rate * window_secs)
+    samples = np.frombuffer(pcm, dtype=np.int16)
+    start = max(0, len(samples) - int(sample_rate * search_secs))
+    tail = samples[start : start + (len(samples) - start) // window * window].astype(np.float32)
+    if not len(tail):
+        return len(pcm)
+    energy = (tail.reshape(-1, window) ** 2).mean(axis=1)
+    return 2 * (start + int(np.argmin(energy)) * window + window // 2)
 
 
 def _language(code: str) -> Language | None:

@@ -99,7 +99,7 @@ class TransformersLLMEngine:
     def fit(self, messages: list[dict], budget: int | None) -> list[dict]:
         """`messages` without their oldest turns, so that the prompt takes at most `budget` tokens.
 
-        System messages and the last message always stay. The prompt is what every step of the
+        System messages and the end of the last message always stay. The prompt is what every step of the
         reply's prefill pays for: on CPU a long one delays the first word noticeably, and a small
         model answers the newest question better without a long history.
         """
@@ -111,6 +111,12 @@ class TransformersLLMEngine:
             turns = turns[1:]
             while len(turns) > 1 and turns[0]["role"] != "user":  # start at a user turn
                 turns = turns[1:]
+        if len(self.encode_chat(system + turns)) > budget:
+            # One turn longer than the budget (a user talking for minutes): its latest words stay.
+            last = turns[-1]
+            room = budget - len(self.encode_chat(system + [{**last, "content": ""}]))
+            words = self.tokenizer.encode(last["content"], add_special_tokens=False)[-max(1, room) :]
+            turns = [{**last, "content": self.tokenizer.decode(words).lstrip()}]
         return system + turns
 
     async def stream(

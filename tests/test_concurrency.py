@@ -49,7 +49,9 @@ async def answer_once(session: LocalSession, engines, say, question: str) -> Non
     await wait_for_reply(session, after=ended, quiet=1.0)
     bot_audio = session.played_audio(start=ended)
     heard = user_messages(session)
-    assert heard and wer(question, heard[-1]) <= 0.25, (question, heard)
+    # Its own question (another one scores near 1): with eight at once tiny.en has heard "hello"
+    # as "I'll go" (0.29).
+    assert heard and wer(question, heard[-1]) <= 0.35, (question, heard)
     spoken = (await engines.stt.transcribe(bot_audio, BOT_RATE)).text
     reply = engines.llm.of(session.conversation).replies[-1]
     # The agent spoke its reply: the same opening words, and about as many words. (Not WER on

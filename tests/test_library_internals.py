@@ -31,6 +31,14 @@ def test_segmented_stt_still_sizes_its_pre_roll_buffer_in_the_attribute_we_set()
     assert "self._audio_buffer_size_1s = " in source and "len(self._audio_buffer) > self._audio_buffer_size_1s" in source
 
 
+def test_segmented_stt_still_keeps_its_segment_and_speaking_state_where_we_read_them():
+    # pipecat_internals.segment_in_progress and transcribe_segment_head
+    source = inspect.getsource(SegmentedSTTService)
+    assert "self._audio_buffer += frame.audio" in source and "self._user_speaking = False" in source
+    stopped = inspect.getsource(SegmentedSTTService._handle_user_stopped_speaking)
+    assert "self._audio_buffer.clear()" in stopped and "self._segment_queue.put(" in stopped
+
+
 def test_a_silero_model_on_a_shared_session_scores_speech():
     # pipecat_internals.silero_model_on, through the analyzer that uses it
     vad = SharedSileroVADAnalyzer(sample_rate=16000)

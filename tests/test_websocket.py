@@ -13,6 +13,7 @@ from websockets.exceptions import ConnectionClosed
 
 from agent.livekit_dev_server import free_port
 from agent.app import create_app
+from agent.transports.websocket import MAX_AUDIO_MESSAGE_BYTES as MAX_MESSAGE_BYTES
 from agent.ws_client import OUTPUT_RATE, VoiceClient
 from harness.serving import serving
 from harness.speech import normalize, wer
@@ -158,3 +159,53 @@ async def test_eight_clients_at_once_are_all_answered(ws_url, say):
     for question, reply in zip(QUESTIONS, replies):
         assert wer(question, reply.heard) <= 0.5, (question, reply.heard)
         assert reply.text and len(reply.audio) / 2 / OUTPUT_RATE > 0.5, (question, reply.text)
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+
+
+async def test_an_audio_flood_is_read_in_real_time_and_others_are_answered(ws_url, say):
+    """A client sending speech as fast as the network allows, for 20 s: the server reads it no
+    faster than it is spoken, another user is answered meanwhile, and the memory it took is given back."""
+
+    async def one_turn(question: str) -> str:
+        async with client(ws_url) as c:
+            await c.until_quiet()
+            return (await c.ask(await say(question), timeout=120)).text
+
+    # Two conversations at once first, so that RSS is measured with every engine thread warm.
+    await asyncio.gather(one_turn("What is the capital of France?"), one_turn("What do bees make?"))
+    before = rss_mb()
+    speech = await say("Let me tell you about my day, it was long and full of meetings.")
+    message = (speech * (MAX_MESSAGE_BYTES // len(speech) + 1))[:MAX_MESSAGE_BYTES]
+    sent_secs = 0.0
+
+    async def flood():
+        nonlocal sent_secs
+        ws = await connect(ws_url, additional_headers={"Authorization": f"Bearer {API_KEY}"}, close_timeout=1)
+        began = time.monotonic()
+        try:
+            while time.monotonic() - began < 20:
+                await ws.send(message)
+                sent_secs += len(message) / 2 / 16000
+        except (ConnectionClosed, ConnectionResetError):
+            pass  # the server may drop it: its keepalive pongs wait behind the audio it has not read
+        finally:
+            await ws.close()
+
+    flooding = asyncio.create_task(flood())
+    async with client(ws_url) as c:
+        await c.until_quiet()
+        reply = await c.ask(await say("How many legs does a spider have?"), timeout=120)
+        assert not c.closed
+    await flooding
+    # What the attacker got onto the wire in 20 s: 20 s of speech, 3 s of burst, and what fits in
+    # the socket buffers and the server's queue of 32 messages; unpaced it was many minutes.
+    assert sent_secs < 20 + 3 + 32 * 2 + 200, sent_secs
+    assert wer("How many legs does a spider have?", reply.heard) <= 0.5 and reply.text, (reply.heard, reply.text)
+    deadline = time.monotonic() + 60
+    while rss_mb() - before > 50 and time.monotonic() < deadline:
+        await asyncio.sleep(1)
+    assert rss_mb() - before <= 50, f"RSS grew {rss_mb() - before:.0f} MB with the flood"

@@ -1,7 +1,9 @@
 """WebSocket (`WS /ws`): one conversation per connection; the wire protocol (PCM16 binary, JSON text) is `PCMJsonSerializer`."""
 
+import asyncio
 import json
 import secrets
+import time
 from urllib.parse import urlsplit
 
 from loguru import logger
@@ -24,11 +26,38 @@ from services.audio import INPUT_SAMPLE_RATE
 MAX_AUDIO_MESSAGE_BYTES = 64000  # 2 s of 16 kHz PCM16; clients send 20-100 ms at a time
 MAX_TEXT_MESSAGE_CHARS = 4096
 WS_MAX_MESSAGE_BYTES = 2 * MAX_AUDIO_MESSAGE_BYTES  # past this the server refuses a message unread
+# How far a client's audio may run ahead of real time. Clients stream as they record, so this only
+# absorbs network jitter and a client's pre-roll; past it the server stops reading (back-pressure).
+MAX_AUDIO_AHEAD_SECS = 3.0
 
 
 def error_frame(message: str) -> OutputTransportMessageUrgentFrame:
     """An `{"type": "error"}` message for this client, sent through the pipeline like any other."""
     return OutputTransportMessageUrgentFrame(message={"type": "error", "message": message})
+
+
+class RealTimePacer:
+    """A token bucket of audio seconds, refilled in real time: `await pace(seconds)` returns once
+    that much audio may go on.
+
+    Awaited in the serializer, it holds up the transport's receive loop, so a client sending faster
+    than it speaks is slowed by TCP flow control instead of filling the server's audio queue
+    (which grows without bound in Pipecat's input transport) and every model after it.
+    """
+
+    def __init__(self, burst_secs: float = MAX_AUDIO_AHEAD_SECS):
+        self.burst_secs = burst_secs
+        self._balance = burst_secs
+        self._at = time.monotonic()
+        self.waited_secs = 0.0
+
+    async def pace(self, seconds: float) -> None:
+        now = time.monotonic()
+        self._balance = min(self.burst_secs, self._balance + now - self._at) - seconds
+        self._at = now
+        if self._balance < 0:
+            self.waited_secs += -self._balance
+            await asyncio.sleep(-self._balance)
 
 
 class PCMJsonSerializer(FrameSerializer):
@@ -49,11 +78,13 @@ class PCMJsonSerializer(FrameSerializer):
 
     Refused messages (text that is not a JSON object, unknown types, a declared rate other than
     16 kHz, audio with an odd byte count or over 2 s) are answered with `error` and dropped.
+    Audio sent faster than real time is read at real time once it is 3 s ahead (back-pressure).
     """
 
     def __init__(self):
         # RTVI messages are the protocol's events, so they are not filtered out.
         super().__init__(FrameSerializer.InputParams(ignore_rtvi_messages=False))
+        self.pacer = RealTimePacer()
 
     async def serialize(self, frame: Frame) -> str | bytes | None:
         if isinstance(frame, OutputAudioRawFrame):
@@ -70,6 +101,7 @@ class PCMJsonSerializer(FrameSerializer):
                 return error_frame(f"audio message of {len(data)} bytes refused: at most {MAX_AUDIO_MESSAGE_BYTES}")
             if len(data) % 2:
                 return error_frame(f"audio message of {len(data)} bytes refused: PCM16 needs an even count")
+            await self.pacer.pace(len(data) / (2 * INPUT_SAMPLE_RATE))
             return InputAudioRawFrame(audio=data, sample_rate=INPUT_SAMPLE_RATE, num_channels=1)
         if len(data) > MAX_TEXT_MESSAGE_CHARS:
             return error_frame(f"text message of {len(data)} characters refused: at most {MAX_TEXT_MESSAGE_CHARS}")

@@ -34,7 +34,9 @@ let awaitingReply = false; // the user finished a turn; the next agent audio ans
 let userLine = null; // transcript entries being filled
 let agentLine = null;
 let agentSpeaking = false;
-let reply = { open: false, llmDone: false, synthesizing: false }; // the agent's current reply
+// The agent's current reply, and the line that shows it: a user transcript can arrive before the
+// turn it starts ("Stop." transcribed before the cut-in is judged), and moves `agentLine` on.
+let reply = { open: false, llmDone: false, synthesizing: false, line: null };
 
 // --- UI helpers -----------------------------------------------------------------------------
 
@@ -260,7 +262,7 @@ function onData(payload) {
       setAgentState("listening");
       break;
     case "bot-llm-started":
-      reply = { open: true, llmDone: false, synthesizing: false };
+      reply = { open: true, llmDone: false, synthesizing: false, line: null };
       break;
     case "bot-llm-stopped":
       reply.llmDone = true;
@@ -284,6 +286,7 @@ function onData(payload) {
       }
       agentLine.segments.set(data.segment_id ?? agentLine.segments.size, spoken.trim());
       agentLine.textContent = [...agentLine.segments.values()].join(" ");
+      reply.line = agentLine;
       break;
     }
     case "bot-interrupted":
@@ -296,7 +299,7 @@ function onData(payload) {
 // The user cut in: if the agent had more to say (still generating, synthesizing or playing),
 // its line ends here with "…". Pipecat interrupts on every user turn, finished reply or not.
 function cutOffReply() {
-  if (reply.open && agentLine) agentLine.classList.add("interrupted");
+  if (reply.open && reply.line) reply.line.classList.add("interrupted");
   reply.open = false;
 }
 
