@@ -55,7 +55,7 @@ def load_engines(settings: Settings) -> Engines:
     llm = TransformersLLMEngine.load(
         settings.llm_model,
         cache_dir=settings.cache_dir,
-        **settings.of_stage("llm", "gguf_file", "device", "dtype", "max_new_tokens", "temperature"),
+        **settings.of_stage("llm", "gguf_file", "device", "dtype", "cpu_threads", "max_new_tokens", "temperature"),
         **settings.of_stage("llm", "max_batch", "kv_cache_tokens"),
     )
     return Engines(stt=stt, llm=llm, tts=load_tts(settings))

@@ -22,6 +22,7 @@ from frames.turn_taking.turn_models import SharedSileroVADAnalyzer, SharedSmartT
 from frames.turn_taking.turn_stop import SpeculativeTurnStopStrategy
 from harness.orpheus_models import build_random_snac
 from services.batched_generation import insert_logits_processors
+from services.llm import quantize_linear_layers_int8
 from services.orpheus.snac import PositionalNoise, SnacDecoder
 
 
@@ -112,3 +113,22 @@ def test_rtvi_still_dispatches_client_messages_through_the_hooks_we_override():
     for hook in pipecat_internals.OVERRIDDEN_RTVI_HOOKS:
         assert inspect.iscoroutinefunction(getattr(RTVIProcessor, hook)), hook
     assert "await self._handle_message(" in inspect.getsource(RTVIProcessor._message_task_handler)
+
+
+def test_torch_still_quantizes_linear_layers_to_int8_per_channel():
+    # services.llm.quantize_linear_layers_int8
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 128, (1, 16))
+    with torch.inference_mode():
+        expected = model(ids).logits
+        quantized = quantize_linear_layers_int8(model)
+        got = quantized(ids).logits
+    linear = [m for m in quantized.modules() if type(m) is torch.nn.Linear]
+    assert not linear, f"{len(linear)} Linear layers left in fp32"
+    assert "qint8" in str(quantized.lm_head.weight().dtype)
+    assert torch.allclose(got, expected, atol=0.05), (got - expected).abs().max()
