@@ -25,7 +25,8 @@ async def serving(app, port: int):
             if task.done() or time.monotonic() > deadline:
                 raise RuntimeError("the agent's HTTP server failed to start")
             await asyncio.sleep(0.05)
-        while app.state.livekit is not None and app.state.livekit.worker_id in (None, "unregistered"):
+        livekit = getattr(app.state, "livekit", None)  # the stock baseline's app has no LiveKit side
+        while livekit is not None and livekit.worker_id in (None, "unregistered"):
             if time.monotonic() > deadline:
                 raise RuntimeError("the LiveKit worker never registered")
             await asyncio.sleep(0.05)
