@@ -40,9 +40,9 @@ class SpeculativeTurnStopStrategy(TurnAnalyzerUserTurnStopStrategy):
 
     Smart-turn counts its silence in the audio it is given, and a client may stop sending
     audio when the user stops talking (Opus DTX, a phone's silence suppression, a /ws client
-    that sends only speech). Then no silence adds up, and Pipecat's 5 s stop watchdog ended
-    the turn and threw the speculation away to answer the same words again. Here a speculation
-    also confirms itself after smart-turn's silence timeout of wall-clock time.
+    that sends only speech). Then no silence adds up, and Pipecat's 5 s stop watchdog would end
+    the turn, throwing the speculation away to answer the same words again. So a speculation
+    also confirms itself after smart-turn's silence timeout, counted in wall-clock time.
     """
 
     def __init__(self, *, speculate: bool = True, **kwargs):
