@@ -49,14 +49,12 @@ class RealTimePacer:
         self.burst_secs = burst_secs
         self._balance = burst_secs
         self._at = time.monotonic()
-        self.waited_secs = 0.0
 
     async def pace(self, seconds: float) -> None:
         now = time.monotonic()
         self._balance = min(self.burst_secs, self._balance + now - self._at) - seconds
         self._at = now
         if self._balance < 0:
-            self.waited_secs += -self._balance
             await asyncio.sleep(-self._balance)
 
 
