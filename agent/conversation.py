@@ -139,8 +139,8 @@ def build_conversation(
             min_words=settings.barge_in_min_words,
             min_speech_secs=settings.barge_in_min_speech_secs,
             false_interruption_secs=settings.false_interruption_secs,
-            ignore_echoed_words=settings.echo_cancellation,
         ),
+        canceller,
     )
     context = LLMContext()
     user_aggregator, assistant_aggregator = LLMContextAggregatorPair(

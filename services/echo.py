@@ -11,6 +11,8 @@ from services.audio import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, AudioFormatError
 # panics and aborts the whole process, so only whole frames built here ever reach it.
 FRAMES_PER_SECOND = 100
 MAX_DELAY_HINT_MS = 500  # the APM rejects stream delays outside 0..500 ms
+HISTORY_FRAMES = 10 * FRAMES_PER_SECOND  # how far back `kept_db` can look
+QUIET_RMS = 100.0  # below this (about -50 dBFS) there is too little sound to say what the canceller did
 
 
 class EchoCanceller:
@@ -60,6 +62,9 @@ class EchoCanceller:
         # without it the render buffer underruns and AEC3 loses the echo's delay.
         self._rendered = 0  # playback frames given to the APM, silence included
         self._captured = 0  # microphone frames given to the APM
+        # Energy of each recent microphone frame before and after cancellation, for `kept_db`.
+        self._heard_energy = np.zeros(HISTORY_FRAMES)
+        self._kept_energy = np.zeros(HISTORY_FRAMES)
         self._apm: rtc.AudioProcessingModule | None = None
         try:
             # The high-pass filter keeps DC and rumble out of the echo estimate (AEC3 runs it anyway).
@@ -102,13 +107,39 @@ class EchoCanceller:
                 while self._rendered <= self._captured and self._apm is not None:
                     self._run(self._apm.process_reverse_stream, bytes(self._frame_bytes), "playback")
                     self._rendered += 1
+                heard = frame
                 frame = self._run(self._apm.process_stream, frame, "microphone") if self._apm else frame
+                slot = self._captured % HISTORY_FRAMES
+                self._heard_energy[slot], self._kept_energy[slot] = _energy(heard), _energy(frame)
                 self._captured += 1
             self._cancelled += frame
         if len(self._cancelled) < len(pcm):
             self._cancelled = bytes(len(pcm) - len(self._cancelled)) + self._cancelled
         out, self._cancelled = self._cancelled[: len(pcm)], self._cancelled[len(pcm) :]
         return out
+
+    @property
+    def frames(self) -> int:
+        """Microphone frames (10 ms each) cancelled so far: the clock `kept_db` is read against."""
+        return self._captured
+
+    def kept_db(self, since: int, until: int | None = None) -> float | None:
+        """How much of the microphone's energy in frames [since, until) the canceller kept, in dB.
+
+        About 0 dB when it removed nothing (the user talking, or nothing playing), -20 to -30 dB
+        when what the microphone heard was the agent's own echo. A user talking over an echo as
+        loud as their voice keeps about -3 dB, one 10 dB quieter than the echo about -10 dB.
+        None when the canceller is off or the stretch is too quiet (or too old) to tell.
+        """
+        until = self._captured if until is None else min(until, self._captured)
+        since = max(since, self._captured - HISTORY_FRAMES, 0)
+        if self._apm is None or since >= until:
+            return None
+        slots = np.arange(since, until) % HISTORY_FRAMES
+        heard, kept = self._heard_energy[slots].sum(), self._kept_energy[slots].sum()
+        if heard < QUIET_RMS**2 * len(slots):
+            return None
+        return float(10 * np.log10(max(kept, 1.0) / heard))
 
     def _run(self, process, frame: bytes, side: str) -> bytes:
         audio = rtc.AudioFrame(bytearray(frame), self.sample_rate, 1, len(frame) // 2)
@@ -131,6 +162,12 @@ def _check_pcm16(pcm: bytes, sample_rate: int) -> None:
         raise AudioFormatError(f"PCM16 audio must have an even byte count, got {len(pcm)} bytes")
     if not MIN_SAMPLE_RATE <= sample_rate <= MAX_SAMPLE_RATE:
         raise AudioFormatError(f"sample rate {sample_rate} Hz is outside {MIN_SAMPLE_RATE}..{MAX_SAMPLE_RATE} Hz")
+
+
+def _energy(frame: bytes) -> float:
+    """Mean square of a PCM16 frame."""
+    samples = np.frombuffer(frame, dtype=np.int16).astype(np.float64)
+    return float(np.dot(samples, samples)) / max(1, samples.size)
 
 
 def _whole_frames(pcm: bytes, frame_bytes: int) -> tuple[list[bytes], bytes]:

@@ -1,4 +1,4 @@
-"""The barge-in policy on its own: which transcripts of a sound over the bot take the turn."""
+"""The barge-in policy on its own: which sounds over the bot take the turn."""
 
 from types import SimpleNamespace
 
@@ -10,15 +10,22 @@ from pipecat.frames.frames import (
 )
 from pipecat.utils.asyncio.task_manager import TaskManager
 
-from frames.turn_taking.barge_in import BargeInPolicy, BargeInTurnStartStrategy
+from frames.turn_taking.barge_in import BargeInTurnStartStrategy
 from frames.turn_taking.playback import PlaybackGate, PlaybackState
+from services.echo import EchoCanceller
+from tests.test_echo import MIC_RATE, USER_STARTS_S, reply_24k, run_call, speakerphone, user_16k  # noqa: F401 (fixtures)
+
+BOT = "the dragon hoped the village would stop fearing him"
 
 
-async def sound_over_the_bot(transcript: str, *, bot_said: str, ignore_echoed_words: bool) -> tuple[bool, PlaybackGate]:
-    """A short sound while the bot talks, then its transcript: did it take the turn?"""
+async def sound_over_the_bot(transcript: str, *, bot_said: str, canceller: EchoCanceller | None, call=None) -> tuple[bool, PlaybackGate]:
+    """A sound while the bot talks, then its transcript: did it take the turn?
+
+    With `call` (played, microphone), the call runs through `canceller` and the sound is its
+    stretch from USER_STARTS_S on; without it the canceller has heard nothing."""
     gate = PlaybackGate()
     gate.recent_words.extend(bot_said.lower().split())
-    strategy = BargeInTurnStartStrategy(gate, BargeInPolicy(ignore_echoed_words=ignore_echoed_words))
+    strategy = BargeInTurnStartStrategy(gate, canceller=canceller)
     await strategy.setup(SimpleNamespace(task_manager=TaskManager()))
     started = []
 
@@ -30,29 +37,47 @@ async def sound_over_the_bot(transcript: str, *, bot_said: str, ignore_echoed_wo
     async def on_reset(strategy):
         pass
 
-    for frame in (BotStartedSpeakingFrame(), VADUserStartedSpeakingFrame(), VADUserStoppedSpeakingFrame()):
-        await strategy.process_frame(frame)
+    if call is not None:
+        run_call(canceller, *call, to_s=USER_STARTS_S + 0.2)  # VAD reports speech 0.2 s in
+    await strategy.process_frame(BotStartedSpeakingFrame())
+    await strategy.process_frame(VADUserStartedSpeakingFrame())
+    if call is not None:
+        run_call(canceller, *call, from_s=USER_STARTS_S + 0.2, to_s=USER_STARTS_S + 1.0)
+    await strategy.process_frame(VADUserStoppedSpeakingFrame())
     assert gate.paused, "a sound over the bot pauses it at once"
     await strategy.process_frame(TranscriptionFrame(transcript, "user", "now"))
     await strategy.cleanup()
     return bool(started), gate
 
 
-BOT = "the dragon hoped the village would stop fearing him"
-
-
 async def test_the_bots_own_words_in_its_echo_are_no_barge_in():
-    took_turn, gate = await sound_over_the_bot("Hope.", bot_said=BOT, ignore_echoed_words=True)
+    took_turn, gate = await sound_over_the_bot("Hope.", bot_said=BOT, canceller=EchoCanceller(MIC_RATE))
     assert not took_turn and gate.state is PlaybackState.PLAYING
 
 
 async def test_new_words_over_the_echo_still_take_the_turn():
-    took_turn, _ = await sound_over_the_bot("Stop, what about Rome?", bot_said=BOT, ignore_echoed_words=True)
+    took_turn, _ = await sound_over_the_bot("Stop, what about Rome?", bot_said=BOT, canceller=EchoCanceller(MIC_RATE))
+    assert took_turn
+
+
+async def test_words_heard_in_what_the_canceller_removed_are_no_barge_in(reply_24k, user_16k):
+    # Whisper invents words from faint echo residue ("We'll see you next time."): the sound is
+    # judged by how much of it the canceller removed, not by what was made of it.
+    echo_only = speakerphone(reply_24k)
+    took_turn, gate = await sound_over_the_bot(
+        "We'll see you next time.", bot_said=BOT, canceller=EchoCanceller(MIC_RATE), call=echo_only
+    )
+    assert not took_turn and gate.state is PlaybackState.PLAYING
+    # The same words from a user talking over the same echo take the turn.
+    user_over_echo = speakerphone(reply_24k, user_16k)
+    took_turn, _ = await sound_over_the_bot(
+        "We'll see you next time.", bot_said=BOT, canceller=EchoCanceller(MIC_RATE), call=user_over_echo
+    )
     assert took_turn
 
 
 async def test_without_echo_cancellation_any_real_word_takes_the_turn():
-    took_turn, _ = await sound_over_the_bot("Hope.", bot_said=BOT, ignore_echoed_words=False)
+    took_turn, _ = await sound_over_the_bot("Hope.", bot_said=BOT, canceller=None)
     assert took_turn
-    took_turn, _ = await sound_over_the_bot("Mhm.", bot_said=BOT, ignore_echoed_words=False)
+    took_turn, _ = await sound_over_the_bot("Mhm.", bot_said=BOT, canceller=None)
     assert not took_turn

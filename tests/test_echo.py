@@ -47,38 +47,47 @@ async def user_16k(say) -> np.ndarray:
     return np.frombuffer(await say(USER), dtype=np.int16)
 
 
-def simulate_call(reply_24k: np.ndarray, user_16k: np.ndarray | None = None):
-    """The call in 20 ms steps, in a live call's order: the step's reply audio plays (and goes to
-    `playback`), then the step's microphone audio, which hears the reply 60 ms late at -6 dB plus
-    the user and some noise, goes through `cancel`.
-
-    Returns the microphone signal, the cancelled signal and the wall time of each step per 10 ms
-    of audio (both directions together).
-    """
+def speakerphone(reply_24k: np.ndarray, user_16k: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """A speakerphone call: what the agent plays (24 kHz) and what the microphone hears (16 kHz):
+    the reply 60 ms late at -6 dB, the user from USER_STARTS_S if given, and some room noise."""
     heard = soxr.resample(reply_24k.astype(np.float32), PLAYBACK_RATE, MIC_RATE)
-    step = int(STEP_S * MIC_RATE)
-    steps = (len(heard) + MIC_RATE // 2) // step
-    mic = np.random.default_rng(0).normal(0.0, NOISE_RMS, steps * step)
+    steps = (len(heard) + MIC_RATE // 2) // int(STEP_S * MIC_RATE)
+    mic = np.random.default_rng(0).normal(0.0, NOISE_RMS, steps * int(STEP_S * MIC_RATE))
     delay = int(ECHO_DELAY_S * MIC_RATE)
     mic[delay : delay + len(heard)] += ECHO_GAIN * heard
     if user_16k is not None:
         start = int(USER_STARTS_S * MIC_RATE)
         mic[start : start + len(user_16k)] += user_16k
-    mic = np.clip(mic, -32768, 32767).astype(np.int16)
-
-    play_step = int(STEP_S * PLAYBACK_RATE)
-    played = np.zeros(steps * play_step, dtype=np.int16)
+    played = np.zeros(steps * int(STEP_S * PLAYBACK_RATE), dtype=np.int16)
     played[: len(reply_24k)] = reply_24k
+    return played, np.clip(mic, -32768, 32767).astype(np.int16)
 
-    canceller = EchoCanceller(MIC_RATE, delay_ms_hint=60)
+
+def run_call(canceller: EchoCanceller, played: np.ndarray, mic: np.ndarray, from_s: float = 0.0, to_s: float | None = None):
+    """The call from `from_s` to `to_s` in 20 ms steps, in a live call's order: the step's reply
+    audio goes to `playback`, then the step's microphone audio through `cancel`.
+
+    Returns the cancelled signal and the wall time of each step per 10 ms of audio (both
+    directions together)."""
+    mic_step, play_step = int(STEP_S * MIC_RATE), int(STEP_S * PLAYBACK_RATE)
+    steps = len(mic) // mic_step if to_s is None else round(to_s / STEP_S)
     cancelled, costs = [], []
-    for n in range(steps):
+    for n in range(round(from_s / STEP_S), steps):
         started = time.perf_counter()
         canceller.playback(played[n * play_step : (n + 1) * play_step].tobytes(), PLAYBACK_RATE)
-        cancelled.append(canceller.cancel(mic[n * step : (n + 1) * step].tobytes()))
+        cancelled.append(canceller.cancel(mic[n * mic_step : (n + 1) * mic_step].tobytes()))
         costs.append((time.perf_counter() - started) * 0.01 / STEP_S)
+    return np.frombuffer(b"".join(cancelled), dtype=np.int16), costs
+
+
+def simulate_call(reply_24k: np.ndarray, user_16k: np.ndarray | None = None):
+    """The whole call through a fresh canceller: the microphone signal, the cancelled signal and
+    the cost of each step (see `run_call`)."""
+    played, mic = speakerphone(reply_24k, user_16k)
+    canceller = EchoCanceller(MIC_RATE, delay_ms_hint=60)
+    cancelled, costs = run_call(canceller, played, mic)
     assert canceller.active
-    return mic, np.frombuffer(b"".join(cancelled), dtype=np.int16), costs
+    return mic, cancelled, costs
 
 
 async def vad_states(settings, audio: np.ndarray) -> list[VADState]:

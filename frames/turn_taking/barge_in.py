@@ -19,6 +19,7 @@ from pipecat.turns.types import ProcessFrameResult
 from pipecat.turns.user_start.base_user_turn_start_strategy import BaseUserTurnStartStrategy
 
 from frames.turn_taking.playback import PlaybackGate
+from services.echo import EchoCanceller
 
 # Sounds a listener makes without taking the turn. Whisper also writes "you" and "thank you" for
 # breath, clicks and echo residue it cannot place, so those are not a barge-in either.
@@ -33,9 +34,13 @@ class BargeInPolicy:
     min_words: int = 1  # words beyond backchannels that make a sound a barge-in
     min_speech_secs: float = 1.2  # speech this long is a barge-in before any transcript exists
     false_interruption_secs: float = 1.5  # no real words by then: the bot resumes where it paused
-    # Over a speakerphone the canceller leaves some echo, and Whisper writes it down as the bot's
-    # own words: words the bot has just said (or near spellings of them) are no barge-in.
-    ignore_echoed_words: bool = False
+
+
+# A sound of which the echo canceller kept less than this is the bot's own echo, whatever Whisper
+# makes of it ("We'll see you next time."): measured in tests/test_echo.py's call, echo alone
+# keeps -24 to -35 dB, a user 9 dB quieter than the echo still -13 dB.
+ECHO_KEPT_DB = -18.0
+SOUND_LEAD_FRAMES = 50  # 10 ms frames: VAD reports speech ~0.2 s in, and the transport queues some
 
 
 HUMS = re.compile(r"^(?:[mhn]+|u+h+m*|u+m+)$")  # "mmm", "mhm", "hmmm", "uhm": Whisper spells hums many ways
@@ -64,12 +69,25 @@ class BargeInTurnStartStrategy(BaseUserTurnStartStrategy):
       is dropped from the user's aggregation.
     Pausing rather than stopping is what lets one policy stop fast and never lose a reply
     to noise; Pipecat's MinWords strategy must wait for Whisper before the bot stops.
+
+    Over a speakerphone (`canceller` given) the echo canceller leaves some of the bot's voice,
+    and Whisper writes it down as the bot's words or invents some. Two rules keep that from
+    taking the turn: a sound the canceller removed nearly all of is echo, and words the bot has
+    just said (or near spellings of them, "hope" for "hoped") are not counted.
     """
 
-    def __init__(self, gate: PlaybackGate, policy: BargeInPolicy | None = None, **kwargs):
+    def __init__(
+        self,
+        gate: PlaybackGate,
+        policy: BargeInPolicy | None = None,
+        canceller: EchoCanceller | None = None,
+        **kwargs,
+    ):
         super().__init__(**kwargs)
         self._gate = gate
         self._policy = policy or BargeInPolicy()
+        self._canceller = canceller
+        self._sound_frames = (0, None)  # the canceller's frames of the latest sound: [start, end)
         self._bot_speaking = False
         self._user_speaking = False
         self._judging: asyncio.Task | None = None
@@ -99,12 +117,16 @@ class BargeInTurnStartStrategy(BaseUserTurnStartStrategy):
             self._bot_speaking = False
         elif isinstance(frame, VADUserStartedSpeakingFrame):
             self._user_speaking = True
+            if self._canceller is not None:
+                self._sound_frames = (self._canceller.frames - SOUND_LEAD_FRAMES, None)
             if not self._bot_speaking:
                 await self.trigger_user_turn_started()
                 return ProcessFrameResult.STOP
             self._listen()
         elif isinstance(frame, VADUserStoppedSpeakingFrame):
             self._user_speaking = False
+            if self._canceller is not None:
+                self._sound_frames = (self._sound_frames[0], self._canceller.frames)
         elif isinstance(frame, (TranscriptionFrame, InterimTranscriptionFrame)):
             return await self._judge_transcript(frame.text)
         return ProcessFrameResult.CONTINUE
@@ -126,8 +148,8 @@ class BargeInTurnStartStrategy(BaseUserTurnStartStrategy):
             return ProcessFrameResult.STOP
         self._sound_over_bot = False
         words = real_words(text)
-        if self._policy.ignore_echoed_words:
-            words = [w for w in words if not echoed(w, self._gate.recent_words)]
+        if self._canceller is not None:
+            words = [] if self._sound_is_echo() else [w for w in words if not echoed(w, self._gate.recent_words)]
         if len(words) >= self._policy.min_words:
             logger.debug(f"{self}: barge-in on [{text}]")
             await self._barge_in()
@@ -142,7 +164,7 @@ class BargeInTurnStartStrategy(BaseUserTurnStartStrategy):
         """Long speech is a barge-in; a pause that brings no words by the deadline is let go."""
         policy = self._policy
         await asyncio.sleep(policy.min_speech_secs)
-        if self._user_speaking:
+        if self._user_speaking and not self._sound_is_echo():
             self._judging = None  # _barge_in must not cancel the task running it
             await self._barge_in()
             return
@@ -150,6 +172,15 @@ class BargeInTurnStartStrategy(BaseUserTurnStartStrategy):
         self._judging = None
         if self._gate.paused and not self._user_speaking:
             await self._let_go()
+
+    def _sound_is_echo(self) -> bool:
+        if self._canceller is None:
+            return False
+        kept = self._canceller.kept_db(*self._sound_frames)
+        if kept is not None and kept < ECHO_KEPT_DB:
+            logger.debug(f"{self}: the canceller kept {kept:.0f} dB of the sound: the bot's echo")
+            return True
+        return False
 
     async def _barge_in(self):
         await self._stop_judging()
