@@ -2,6 +2,10 @@
 
 The tests run in order on one pair of workers: A (capacity 1) and B (capacity 8). A is killed in
 the second test; B is drained with SIGTERM in the third.
+
+livekit-server picks among available workers at random, weighted by load, so with both up from the
+start A would get no room at all in about one run in twelve. A therefore starts alone and takes
+the first room; B joins after, and every later room must go to B because A is full.
 """
 
 import asyncio
@@ -40,6 +44,7 @@ class Worker:
 
 
 async def start_worker(name: str, livekit_url: str, max_sessions: int, log: Path) -> Worker:
+    """A `voice-agent worker` process, returned once its models are warm and it is registered."""
     env = {
         **os.environ,
         "LIVEKIT_URL": livekit_url,
@@ -54,7 +59,9 @@ async def start_worker(name: str, livekit_url: str, max_sessions: int, log: Path
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "agent", "worker", env=env, stdout=log.open("w"), stderr=asyncio.subprocess.STDOUT
     )
-    return Worker(name, process, log)
+    worker = Worker(name, process, log)
+    await until(lambda: "voice-agent worker: registered as" in log.read_text(), 180, f"worker {name} to register")
+    return worker
 
 
 async def until(condition, timeout: float, what: str) -> None:
@@ -67,8 +74,9 @@ async def until(condition, timeout: float, what: str) -> None:
 @dataclass
 class Fleet:
     livekit_url: str
+    logs: Path
     a: Worker  # capacity 1
-    b: Worker  # capacity 8
+    b: Worker | None  # capacity 8, started by the first test
     callers: dict[str, LiveKitCaller]  # room → its caller
 
     async def open_room(self, room: str) -> LiveKitCaller:
@@ -94,16 +102,12 @@ def worker_of(caller: LiveKitCaller) -> str | None:
 @pytest.fixture(scope="module")
 async def fleet(livekit_url, tmp_path_factory):
     logs = tmp_path_factory.mktemp("workers")
-    a = await start_worker("A", livekit_url, 1, logs / "a.log")
-    b = await start_worker("B", livekit_url, 8, logs / "b.log")
-    for worker in (a, b):  # models loaded and warm, then registered with LiveKit
-        await until(lambda: "voice-agent worker: registered as" in worker.log.read_text(), 180, f"worker {worker.name} to register")
-    fleet = Fleet(livekit_url, a, b, {})
+    fleet = Fleet(livekit_url, logs, await start_worker("A", livekit_url, 1, logs / "a.log"), None, {})
     yield fleet
     for caller in fleet.callers.values():
         await caller.leave()
-    for worker in (a, b):
-        if worker.process.returncode is None:
+    for worker in (fleet.a, fleet.b):
+        if worker is not None and worker.process.returncode is None:
             worker.process.kill()
             await worker.process.wait()
 
@@ -112,6 +116,9 @@ async def test_rooms_go_to_both_workers_and_a_full_one_gets_no_more(fleet):
     for n in range(ROOMS):
         caller = await fleet.open_room(f"fleet-{n}")
         await until(lambda: worker_of(caller) is not None, 60, f"an agent in room {n}")
+        if n == 0:  # A's, the only worker; now B comes up beside the full A
+            assert worker_of(caller) == fleet.a.id
+            fleet.b = await start_worker("B", fleet.livekit_url, 8, fleet.logs / "b.log")
     holders = Counter(worker_of(caller) for caller in fleet.callers.values())
     assert holders[fleet.a.id] == 1, holders  # capacity 1: never more than one room
     assert holders[fleet.b.id] == ROOMS - 1, holders
