@@ -19,6 +19,7 @@ from agent.server.auth import check_api_key
 
 SHUTDOWN_GRACE_SECS = 5
 MAX_SDP_CHARS = 64 * 1024  # a browser's offer is 2-10 KB
+CONNECT_DEADLINE_SECS = 20.0  # an answered peer must connect by then; it holds no slot until it does
 
 
 class PeerToPeer:
@@ -45,32 +46,21 @@ class PeerToPeer:
         admission = self._admission
         admission.check("webrtc", authorization)
         if len(request.sdp) > MAX_SDP_CHARS or request.type != "offer" or "m=audio" not in request.sdp:
-            # aiortc answers nearly anything (even "x") and the connection then holds a slot.
+            # aiortc answers nearly anything (even "x"), and the peer connection then lingers.
             raise HTTPException(400, f"expected an SDP offer with an audio section, at most {MAX_SDP_CHARS} characters")
 
-        refused: list[HTTPException] = []  # the handler swallows what its callback raises
-
         async def on_new_connection(connection: SmallWebRTCConnection) -> None:
-            try:
-                engines = admission.admit("webrtc", connection.pc_id, authorization)
-            except HTTPException as e:
-                refused.append(e)
-                await connection.disconnect()
-                return
-            task = asyncio.create_task(self._converse(connection, engines))
+            task = asyncio.create_task(self._converse(connection, authorization))
             self._conversations.add(task)
             task.add_done_callback(self._conversations.discard)
 
         try:
-            answer = await self._handler.handle_web_request(request=request, webrtc_connection_callback=on_new_connection)
+            return await self._handler.handle_web_request(request=request, webrtc_connection_callback=on_new_connection)
         except HTTPException:
             raise
         except Exception as e:  # aiortc's parser and ICE setup raise plain errors on bad SDP
             logger.warning(f"refused an offer: {e!r}")
             raise HTTPException(400, "the SDP offer could not be used") from e
-        if refused:
-            raise refused[0]
-        return answer
 
     async def ice_candidate(self, request: SmallWebRTCPatchRequest, authorization: str | None = Header(None)):
         check_api_key(self._admission.settings, authorization)
@@ -82,7 +72,21 @@ class PeerToPeer:
             raise HTTPException(400, "the ICE candidate could not be used") from e
         return {"status": "success"}
 
-    async def _converse(self, connection: SmallWebRTCConnection, engines) -> None:
+    async def _converse(self, connection: SmallWebRTCConnection, authorization: str | None) -> None:
+        """Once the peer has connected (an answered offer holds no slot before), reserve → run → release."""
+        name = connection.pc_id
+        if not await peer_connected(connection, CONNECT_DEADLINE_SECS):
+            logger.info(f"peer {name} did not connect within {CONNECT_DEADLINE_SECS:.0f} s")
+            await connection.disconnect()
+            return
+        try:
+            # The offer was checked; a slot may have gone to someone else while this peer connected.
+            engines = self._admission.admit("webrtc", name, authorization)
+        except HTTPException as e:
+            logger.info(f"peer {name} connected but was refused: {e.detail}")
+            await connection.disconnect()
+            return
+
         def build():
             conversation = build_conversation(
                 lambda audio: SmallWebRTCTransport(webrtc_connection=connection, params=TransportParams(**audio)),
@@ -90,13 +94,13 @@ class PeerToPeer:
                 self._admission.settings,
                 metrics=[self._admission.metrics],
             )
-            conversation.follow_client(connection.pc_id)
+            conversation.follow_client(name)
             return conversation
 
         try:
-            await self._admission.serve(connection.pc_id, build)
+            await self._admission.serve(name, build)
         except Exception:
-            logger.exception(f"conversation {connection.pc_id} could not start")
+            logger.exception(f"conversation {name} could not start")
             await connection.disconnect()
 
     async def close(self) -> None:
@@ -107,3 +111,21 @@ class PeerToPeer:
             for task in stuck:
                 task.cancel()
             await asyncio.gather(*stuck, return_exceptions=True)
+
+
+async def peer_connected(connection: SmallWebRTCConnection, deadline_secs: float) -> bool:
+    """Whether the peer's ICE and DTLS connect within `deadline_secs` (False once it fails or closes).
+
+    Pipecat's connection fires its "connected" event only after a transport has called
+    `connect()`, i.e. after a conversation is built, so the peer connection's own state is read.
+    """
+    waited = 0.0
+    while waited < deadline_secs:
+        state = connection.pc.connectionState
+        if state == "connected":
+            return True
+        if state in ("failed", "closed"):
+            return False
+        await asyncio.sleep(0.1)
+        waited += 0.1
+    return False
