@@ -131,18 +131,23 @@ async def test_a_client_that_sends_no_audio_is_let_go(engines, settings):
 async def test_an_answered_offer_holds_no_slot_until_its_peer_connects(engines, settings, say):
     agent_settings = settings.model_copy(update={"port": free_port(), "max_sessions": 1})
     async with serving(create_app(agent_settings, engines), agent_settings.port) as app:
-        peer = RTCPeerConnection()  # offers, is answered, and never connects
-        peer.addTransceiver("audio", direction="sendrecv")
-        await peer.setLocalDescription(await peer.createOffer())
+        peers = [RTCPeerConnection() for _ in range(2)]  # they offer, and never connect
+        for peer in peers:
+            peer.addTransceiver("audio", direction="sendrecv")
+            await peer.setLocalDescription(await peer.createOffer())
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{agent_settings.port}") as http:
-            answered = await http.post("/api/offer", json={"sdp": peer.localDescription.sdp, "type": "offer"})
-        assert answered.status_code == 200, answered.text
+            answered = await http.post("/api/offer", json={"sdp": peers[0].localDescription.sdp, "type": "offer"})
+            assert answered.status_code == 200, answered.text
+            # Peers waiting to connect are capped apart (at the capacity, here 1).
+            second = await http.post("/api/offer", json={"sdp": peers[1].localDescription.sdp, "type": "offer"})
+            assert second.status_code == 503 and "connecting" in second.text, second.text
         # The one slot is still free: a user on /ws gets it and is answered.
         async with VoiceClient(f"ws://127.0.0.1:{agent_settings.port}/ws") as user:
             reply = await user.ask(await say("What is the capital of France?"))
         assert "paris" in normalize(reply.text), (reply.text, user.events)
         assert app.state.sessions.active <= 1
-        await peer.close()
+        for peer in peers:
+            await peer.close()
 
 
 async def test_junk_offers_and_silent_sockets_cannot_keep_a_user_out(engines, settings, say):

@@ -14,7 +14,7 @@ from pipecat.transports.smallwebrtc.request_handler import (
 from pipecat.transports.smallwebrtc.transport import SmallWebRTCTransport
 
 from agent.conversation import build_conversation
-from agent.server.admission import Admission
+from agent.server.admission import RETRY_AFTER_SECS, Admission
 from agent.server.auth import check_api_key
 
 SHUTDOWN_GRACE_SECS = 5
@@ -29,6 +29,9 @@ class PeerToPeer:
         self._admission = admission
         self._handler = SmallWebRTCRequestHandler()
         self._conversations: set[asyncio.Task] = set()  # awaited at shutdown
+        # Answered peers not connected yet: they hold no slot, so they are capped apart (each
+        # holds an aiortc peer connection and its UDP ports until it connects or gives up).
+        self._connecting: set[str] = set()
 
     def add_routes(self, app: FastAPI) -> None:
         app.add_api_route("/start", self.start, methods=["POST"])
@@ -48,6 +51,11 @@ class PeerToPeer:
         if len(request.sdp) > MAX_SDP_CHARS or request.type != "offer" or "m=audio" not in request.sdp:
             # aiortc answers nearly anything (even "x"), and the peer connection then lingers.
             raise HTTPException(400, f"expected an SDP offer with an audio section, at most {MAX_SDP_CHARS} characters")
+        if len(self._connecting) >= admission.sessions.capacity:
+            admission.metrics.sessions_refused.labels(transport="webrtc").inc()
+            raise HTTPException(
+                503, "too many peers are connecting at once", headers={"Retry-After": str(RETRY_AFTER_SECS)}
+            )
 
         async def on_new_connection(connection: SmallWebRTCConnection) -> None:
             task = asyncio.create_task(self._converse(connection, authorization))
@@ -75,7 +83,12 @@ class PeerToPeer:
     async def _converse(self, connection: SmallWebRTCConnection, authorization: str | None) -> None:
         """Once the peer has connected (an answered offer holds no slot before), reserve → run → release."""
         name = connection.pc_id
-        if not await peer_connected(connection, CONNECT_DEADLINE_SECS):
+        self._connecting.add(name)
+        try:
+            connected = await peer_connected(connection, CONNECT_DEADLINE_SECS)
+        finally:
+            self._connecting.discard(name)
+        if not connected:
             logger.info(f"peer {name} did not connect within {CONNECT_DEADLINE_SECS:.0f} s")
             await connection.disconnect()
             return
