@@ -9,8 +9,11 @@ SENTENCE_END = re.compile(r"[.!?]+[\"'”’)\]]*\s")
 REPEAT_WORDS = 4  # a run of this many words said twice is a reply looping on itself
 
 
+WORD = re.compile(r"[\w']+")
+
+
 def words(text: str) -> list[str]:
-    return re.sub(r"[^\w\s']", " ", text.lower()).split()
+    return WORD.findall(text.lower())
 
 
 def _runs(sequence: list[str]) -> list[tuple[str, ...]]:
@@ -20,11 +23,14 @@ def _runs(sequence: list[str]) -> list[tuple[str, ...]]:
 class SpokenReply:
     """Follows one reply as it is generated and says how much of it may be spoken.
 
-    The first sentence streams as it comes (nothing can repeat yet, and the listener is waiting).
-    Each later sentence is released once complete, unless it repeats a run of words already
-    said: then the reply is over, without it. After `max_sentences` sentences it is over too.
-    Small models loop ("Once upon a time... Once upon a time...") and ramble; a voice agent's
-    answer to a simple question is a sentence or two.
+    The first sentence streams as it comes (the listener is waiting), all but its last few words:
+    they may be the start of a loop. Each later sentence is released once complete. A reply is
+    over once it repeats a run of words it has said: a later sentence is dropped whole, and the
+    first ends where its loop begins. The sentence being generated is checked too, so a reply
+    that loops without ever ending a sentence ("a cat in a brave night is a classic tale of a cat
+    in a brave night is a ...") stops at once instead of running to its token budget. After
+    `max_sentences` sentences it is over too. Small models loop and ramble; a voice agent's answer
+    to a simple question is a sentence or two.
     """
 
     def __init__(self, max_sentences: int | None):
@@ -40,27 +46,45 @@ class SpokenReply:
             sentence = text[self._boundary : match.end()]
             if not re.search(r"[^\W\d_]", sentence):
                 continue  # "1." numbering a list: part of the sentence that follows
-            if not self._accept(sentence):
-                return self._boundary
+            if self._loops(sentence):
+                return self._end_at_loop(sentence)
+            self._said += words(sentence)
+            self.sentences += 1
             self._boundary = match.end()
             if self.max_sentences and self.sentences >= self.max_sentences:
                 self.over = True
                 return self._boundary
-        return len(text) if self.sentences == 0 else self._boundary
+        pending = text[self._boundary :]
+        if self._loops(pending):
+            return self._end_at_loop(pending)
+        if self.sentences == 0:
+            settled = [m.start() for m in WORD.finditer(pending)][-(REPEAT_WORDS - 1) :]
+            return self._boundary + (settled[0] if len(settled) == REPEAT_WORDS - 1 else 0)
+        return self._boundary
 
     def finish(self, text: str) -> int:
         """The whole reply is in: how much of it is spoken (a last unterminated sentence too)."""
         released = self.update(text)
-        if self.over or not text[released:].strip() or self.sentences == 0:
-            return released if self.over else len(text)
-        return len(text) if self._accept(text[released:]) else released
-
-    def _accept(self, sentence: str) -> bool:
-        new = words(sentence)
-        runs = _runs(self._said + new)
-        if self.sentences and len(set(runs)) < len(runs):
-            self.over = True
-            return False
-        self._said += new
+        if self.over or not text[self._boundary :].strip():
+            return released
+        self._said += words(text[self._boundary :])  # the last sentence, said without its full stop
         self.sentences += 1
-        return True
+        return len(text)
+
+    def _loops(self, sentence: str) -> bool:
+        runs = _runs(self._said + words(sentence))
+        return len(set(runs)) < len(runs)
+
+    def _end_at_loop(self, sentence: str) -> int:
+        """The reply is over: a later sentence goes unsaid, the first is said up to its loop."""
+        self.over = True
+        if self.sentences:
+            return self._boundary
+        spans = list(WORD.finditer(sentence))
+        said = [m.group().lower() for m in spans]
+        seen: set[tuple[str, ...]] = set()
+        for i, run in enumerate(_runs(said)):
+            if run in seen:
+                return self._boundary + spans[i].start()
+            seen.add(run)
+        return self._boundary

@@ -14,9 +14,11 @@ def speak_as_generated(reply: SpokenReply, text: str, step: int = 3) -> str:
     return text[: max(released, reply.finish(text))]
 
 
-def test_the_first_sentence_streams_before_it_ends():
+def test_the_first_sentence_streams_before_it_ends_but_for_its_last_words():
     reply = SpokenReply(max_sentences=2)
-    assert reply.update("The capital of France") == len("The capital of France")
+    # The last three words could be the start of a loop: they wait for the next word.
+    assert reply.update("The capital of France is") == len("The capital ")
+    assert reply.update("The capital of France is Paris. ") == len("The capital of France is Paris. ")
 
 
 def test_stops_after_the_sentence_cap():
@@ -36,6 +38,19 @@ def test_a_sentence_that_repeats_the_reply_ends_it():
     assert speak_as_generated(SpokenReply(max_sentences=None), text) == (
         "Shakespeare wrote Romeo and Juliet. He wrote it in 1595. "
     )
+
+
+def test_a_reply_looping_inside_one_sentence_ends_where_the_loop_begins():
+    # SmolLM2 asked about cats after a story: it never ended the sentence, for 400 tokens.
+    text = "The story of a cat in a brave night is a classic tale of a cat in a brave night is a classic tale of"
+    reply = SpokenReply(max_sentences=None)
+    assert speak_as_generated(reply, text) == "The story of a cat in a brave night is a classic tale "
+    assert reply.over  # the engine stops generating here
+    # A later sentence that loops before it ends is not said, and ends the reply as soon as it loops.
+    text = "Cats are small. They like to sleep and they like to sleep and they like to"
+    reply = SpokenReply(max_sentences=None)
+    assert speak_as_generated(reply, text) == "Cats are small. "
+    assert reply.over
 
 
 def test_numbers_and_list_markers_do_not_end_sentences():
