@@ -34,6 +34,8 @@ PHRASES = [question for question, _ in QUESTIONS] + [
     "Tell me a joke about computers.",
     "What should I cook for dinner tonight?",
 ]
+# Sounds over the agent's reply that must not come back as words (the barge-in policy counts words).
+HUMS = ["Mhm."]
 ROOM_NOISE_RMS = 30.0  # about -60 dBFS
 PRE_ROLL_SECS = 0.3  # the room tone before the speech that a VAD segment starts with
 TAIL_SECS = 0.2  # and after it (the VAD's stop)
@@ -51,8 +53,8 @@ async def main(args):
         "short": WhisperEngine(settings.stt_model, **stt, workers=1, short_encode=True),
     }
     rng = np.random.default_rng(0)
-    rows = []
-    for phrase in PHRASES:
+
+    async def heard(phrase: str) -> dict:
         speech = np.frombuffer(await speak_16k(engines.tts, phrase), np.int16).astype(np.float32)
         audio = np.concatenate([np.zeros(int(PRE_ROLL_SECS * 16000)), speech, np.zeros(int(TAIL_SECS * 16000))])
         audio += rng.normal(0.0, ROOM_NOISE_RMS, audio.size)
@@ -61,8 +63,13 @@ async def main(args):
         for name, engine in engines_by_window.items():
             transcript = await engine.transcribe(pcm, 16000)
             row[name] = {"heard": transcript.text, "wer": wer(phrase, transcript.text), "seconds": transcript.processing_seconds}
-        rows.append(row)
+        return row
+
+    rows = []
+    for phrase in PHRASES:
+        rows.append(row := await heard(phrase))
         print(f"{row['30 s window']['wer']:.2f} {row['short']['wer']:.2f}  {phrase!r} -> {row['short']['heard']!r}", flush=True)
+    hums = [await heard(hum) for hum in HUMS]
 
     summary = {
         name: {
@@ -76,6 +83,8 @@ async def main(args):
     print(f"\n{'window':<12} {'mean WER':>9} {'worse on':>9} {'p50 time':>9}")
     for name, s in summary.items():
         print(f"{name:<12} {s['mean_wer']:9.3f} {s['phrases_worse']:>6}/{len(rows)} {s['p50_seconds']:8.2f}s")
+    for hum in hums:
+        print(f"{hum['phrase']!r} heard as " + ", ".join(f"{hum[n]['heard']!r} ({n})" for n in engines_by_window))
     write_json(
         args.out,
         {
@@ -85,6 +94,7 @@ async def main(args):
             "model": settings.stt_model,
             "summary": summary,
             "phrases": rows,
+            "hums": hums,
         },
     )
     engines.close()
