@@ -52,6 +52,11 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
 
         app.state.livekit = LiveKitRooms(admission)
         app.state.livekit.add_routes(app)
+    app.state.sip = None
+    if settings.sip_enabled:
+        from agent.transports.sip import SipEndpoint  # pjsua2: the optional `sip` extra
+
+        app.state.sip = SipEndpoint(admission)
 
     app.add_middleware(TrustedHostMiddleware, allowed_hosts=settings.host_names)
     app.add_api_route("/health", health, methods=["GET"])
@@ -66,8 +71,12 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
 async def lifespan(app: FastAPI):
     # Loading runs in the background, so /health can answer "loading" meanwhile.
     loading = asyncio.create_task(start_engines(app))
+    if app.state.sip is not None:
+        await app.state.sip.start()  # calls before the models are ready get 503 with Retry-After
     yield
     loading.cancel()
+    if app.state.sip is not None:
+        await app.state.sip.stop()  # hangs up every call
     if app.state.livekit is not None:
         await app.state.livekit.stop()
     await app.state.peer_to_peer.close()  # ends each peer's conversation

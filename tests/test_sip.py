@@ -1,0 +1,139 @@
+"""Phone calls into the agent over SIP, made by a real SIP phone (baresip) on loopback: real speech both ways."""
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+import soxr
+from pydantic import SecretStr
+
+from agent.app import create_app
+from agent.livekit_dev_server import free_port
+from harness.serving import serving
+from harness.sip_phone import PHONE_RATE, BaresipPhone
+from harness.speech import normalize, wer
+
+GREETING = "Hello, you are speaking with the voice assistant. How can I help?"
+USERNAME, PASSWORD = "trunk", "correct-horse-battery"
+CALL_SECS = 60  # generous: the machine runs other tests' models at the same time
+
+
+@pytest.fixture(scope="module")
+async def sip_app(engines, settings):
+    """The agent as `voice-agent serve` runs it with SIP on, sharing the test's engines: one
+    conversation at a time, loopback callers with the trunk's digest credentials only."""
+    agent_settings = settings.model_copy(
+        update={
+            "port": free_port(),
+            "sip_port": free_port(),
+            "sip_host": "127.0.0.1",
+            "sip_rtp_port": 30000 + free_port() % 20000,
+            "sip_allowed_sources": "127.0.0.1/32",
+            "sip_username": USERNAME,
+            "sip_password": SecretStr(PASSWORD),
+            "greeting": GREETING,
+            "max_sessions": 1,
+        }
+    )
+    app = create_app(agent_settings, engines)
+    async with serving(app, agent_settings.port):
+        yield app
+
+
+@pytest.fixture
+async def agent(sip_app):
+    """The SIP agent, once the calls of earlier tests have all ended (freeing their slots)."""
+    deadline = time.monotonic() + 30
+    while sip_app.state.sessions.active:
+        assert time.monotonic() < deadline, "calls of an earlier test never ended"
+        await asyncio.sleep(0.1)
+    return sip_app
+
+
+def agent_uri(app) -> str:
+    return f"sip:agent@127.0.0.1:{app.state.settings.sip_port}"
+
+
+async def phone(tmp_path, name: str, **kwargs) -> BaresipPhone:
+    directory = tmp_path / name
+    directory.mkdir()
+    kwargs.setdefault("username", USERNAME)
+    kwargs.setdefault("password", PASSWORD)
+    phone = BaresipPhone(directory, **kwargs)
+    await phone.start()
+    return phone
+
+
+async def the_call(app):
+    """The conversation of the one call in progress."""
+    deadline = time.monotonic() + CALL_SECS
+    while True:
+        conversations = [c for c in app.state.sessions.snapshot().values() if c is not None]
+        if conversations:
+            return conversations[0]
+        assert time.monotonic() < deadline, "no conversation started for the call"
+        await asyncio.sleep(0.1)
+
+
+async def until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.1)
+
+
+def assistant_said(conversation) -> list[str]:
+    return [m["content"] for m in conversation.context.get_messages() if m["role"] == "assistant"]
+
+
+async def greeted(conversation) -> None:
+    """Wait until the greeting has been spoken to the end."""
+    await until(lambda: assistant_said(conversation), CALL_SECS, "the greeting was never spoken")
+    await until(lambda: not conversation.replying(), CALL_SECS, "the greeting never ended")
+
+
+async def transcribe_heard(engines, audio: np.ndarray, rate: int) -> str:
+    return (await engines.stt.transcribe(audio.tobytes(), rate)).text
+
+
+def to_phone_rate(pcm_16k: bytes) -> bytes:
+    audio = np.frombuffer(pcm_16k, dtype=np.int16)
+    return soxr.resample(audio, 16000, PHONE_RATE).astype(np.int16).tobytes()
+
+
+async def test_a_phone_call_greets_hears_the_question_answers_it_and_ends_with_the_hang_up(agent, engines, say, tmp_path):
+    caller = await phone(tmp_path, "caller")
+    try:
+        await caller.dial(agent_uri(agent))
+        await caller.wait_for_event("CALL_ESTABLISHED", CALL_SECS)
+        established_at = time.monotonic()
+        conversation = await the_call(agent)
+        await greeted(conversation)
+
+        question = "What is the capital of France?"
+        asked_at = time.monotonic() - established_at
+        speech_secs = await caller.speak(to_phone_rate(await say(question)))
+        llm = engines.llm.of(conversation)
+        await until(lambda: llm.replies, CALL_SECS, "the question never reached the LLM")
+        await asyncio.sleep(speech_secs)
+        await until(lambda: len(assistant_said(conversation)) >= 2 and not conversation.replying(), CALL_SECS, "the reply never ended")
+
+        await caller.hang_up()
+        hung_up_at = time.monotonic()
+        await caller.wait_for_event("CALL_CLOSED", CALL_SECS)
+        await until(lambda: not agent.state.sessions.active, 10, "the conversation outlived the call")
+        ended_after = time.monotonic() - hung_up_at
+    finally:
+        await caller.stop()
+
+    heard_question = [m["content"] for m in llm.prompts[0] if m["role"] == "user"][-1]
+    assert wer(question, heard_question) <= 0.35, heard_question
+    reply = assistant_said(conversation)[-1]
+    audio, rate = caller.heard()
+    cut = int(asked_at * rate)
+    greeting_heard = await transcribe_heard(engines, audio[:cut], rate)
+    reply_heard = await transcribe_heard(engines, audio[cut:], rate)
+    assert wer(GREETING, greeting_heard) <= 0.4, greeting_heard
+    assert wer(reply, reply_heard) <= 0.4, (reply, reply_heard)
+    print(f"the conversation ended {ended_after:.2f} s after the hang-up")
