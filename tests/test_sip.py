@@ -137,3 +137,69 @@ async def test_a_phone_call_greets_hears_the_question_answers_it_and_ends_with_t
     assert wer(GREETING, greeting_heard) <= 0.4, greeting_heard
     assert wer(reply, reply_heard) <= 0.4, (reply, reply_heard)
     print(f"the conversation ended {ended_after:.2f} s after the hang-up")
+
+
+async def test_keypad_digits_from_the_phone_reach_the_llm(agent, engines, tmp_path):
+    caller = await phone(tmp_path, "caller")
+    try:
+        await caller.dial(agent_uri(agent))
+        await caller.wait_for_event("CALL_ESTABLISHED", CALL_SECS)
+        conversation = await the_call(agent)
+        await greeted(conversation)
+        await caller.send_digits("42#")  # RFC 2833 events; "#" ends the entry at once
+        prompts = engines.llm.of(conversation).prompts
+        await until(
+            lambda: any("DTMF: 42#" in m["content"] for prompt in prompts for m in prompt),
+            CALL_SECS,
+            f"the digits never reached the LLM: {prompts}",
+        )
+        await caller.hang_up()
+        await until(lambda: not agent.state.sessions.active, CALL_SECS, "the conversation outlived the call")
+    finally:
+        await caller.stop()
+
+
+async def refused(caller: BaresipPhone, uri: str) -> str:
+    """Dial `uri` and return how the call ended (baresip's CALL_CLOSED reason)."""
+    await caller.dial(uri)
+    closed = await caller.wait_for_event("CALL_CLOSED", CALL_SECS)
+    assert not any(e.get("type") == "CALL_ESTABLISHED" for e in caller.events), "the call was answered"
+    return closed.get("param", "")
+
+
+async def test_calls_from_other_addresses_or_with_a_wrong_password_get_403_and_no_conversation(agent, tmp_path):
+    stranger = await phone(tmp_path, "stranger", address="127.0.0.2")  # loopback, but not on the allow-list
+    impostor = await phone(tmp_path, "impostor", password="wrong-password")
+    try:
+        assert "403" in await refused(stranger, agent_uri(agent))
+        assert "403" in await refused(impostor, agent_uri(agent))
+    finally:
+        await stranger.stop()
+        await impostor.stop()
+    assert not agent.state.sessions.active
+    assert [r.status for r in agent.state.sip.refusals[-2:]] == [403, 403]
+
+
+async def test_with_capacity_one_a_second_call_gets_busy_while_the_first_goes_on(agent, engines, tmp_path):
+    first = await phone(tmp_path, "first")
+    second = await phone(tmp_path, "second")
+    try:
+        await first.dial(agent_uri(agent))
+        await first.wait_for_event("CALL_ESTABLISHED", CALL_SECS)
+        conversation = await the_call(agent)
+        assert "486" in await refused(second, agent_uri(agent))
+        # The first call is undisturbed: greeted, and its keypad still reaches the LLM.
+        await greeted(conversation)
+        await first.send_digits("7#")
+        prompts = engines.llm.of(conversation).prompts
+        await until(
+            lambda: any("DTMF: 7#" in m["content"] for prompt in prompts for m in prompt),
+            CALL_SECS,
+            "the first call stopped being served",
+        )
+        assert not any(e.get("type") == "CALL_CLOSED" for e in first.events)
+        await first.hang_up()
+        await until(lambda: not agent.state.sessions.active, CALL_SECS, "the conversation outlived the call")
+    finally:
+        await first.stop()
+        await second.stop()

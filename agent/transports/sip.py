@@ -575,7 +575,7 @@ class SipEndpoint:
         call = self._calls.get(name)
         if call is None:
             return  # the caller gave up (CANCEL) meanwhile
-        if status != 200:
+        if status not in (200, 401):  # a 401 is a digest challenge, not a refusal
             self.refusals = [*self.refusals[-19:], Refusal(status, reason, headers or {})]
         param = pj.CallOpParam()
         param.statusCode = status
