@@ -54,8 +54,10 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
         app.state.livekit.add_routes(app)
     app.state.sip = None
     if settings.sip_enabled:
-        from agent.transports.sip import SipEndpoint  # pjsua2: the optional `sip` extra
-
+        try:
+            from agent.transports.sip import SipEndpoint
+        except ModuleNotFoundError as e:
+            raise RuntimeError(f"SIP_PORT is set but the `sip` extra is not installed (pip install -e '.[sip]'): {e}") from e
         app.state.sip = SipEndpoint(admission)
 
     app.add_middleware(TrustedHostMiddleware, allowed_hosts=settings.host_names)
@@ -111,6 +113,7 @@ async def health(request: Request):
         "sessions": app.state.sessions.active,
         "transport": "livekit" if livekit is not None else "webrtc",
         "livekit_worker": livekit.worker_id if livekit is not None else None,
+        "sip_port": app.state.settings.sip_port if app.state.sip is not None else None,
     }
 
 

@@ -222,7 +222,7 @@ class Settings(BaseSettings):
         None, description="Address put in SDP and Contact headers when the agent is behind NAT."
     )
     sip_rtp_port: int = Field(
-        10000, ge=1024, le=65535, description="First UDP port for calls' RTP (each call takes two: RTP and RTCP)."
+        20000, ge=1024, le=65535, description="First UDP port for calls' RTP (each call takes two: RTP and RTCP)."
     )
     sip_rtp_port_range: int = Field(200, ge=2, description="How many RTP ports from SIP_RTP_PORT calls may use.")
     sip_allowed_sources: str = Field(

@@ -295,6 +295,8 @@ class SipTransport(BaseTransport):
         return self._output
 
     async def call_event(self, name: str, client: str) -> None:
+        # BaseObject's protected event hooks, as Pipecat's transports use them
+        # (frames/pipecat_internals.py: TRANSPORT_EVENT_HOOKS).
         await self._call_event_handler(name, client)
 
 
