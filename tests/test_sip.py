@@ -1,6 +1,8 @@
 """Phone calls into the agent over SIP, made by a real SIP phone (baresip) on loopback: real speech both ways."""
 
 import asyncio
+import os
+import socket
 import time
 
 import numpy as np
@@ -203,3 +205,36 @@ async def test_with_capacity_one_a_second_call_gets_busy_while_the_first_goes_on
     finally:
         await first.stop()
         await second.stop()
+
+
+async def test_malformed_sip_is_refused_and_the_next_call_is_served(agent, engines, tmp_path):
+    port = agent.state.settings.sip_port
+    invite_without_headers = b"INVITE sip:agent@127.0.0.1 SIP/2.0\r\n\r\n"
+    broken_sdp = (
+        f"INVITE sip:agent@127.0.0.1:{port} SIP/2.0\r\nVia: SIP/2.0/UDP 127.0.0.1:9;branch=z9hG4bKbad\r\n"
+        "From: <sip:x@127.0.0.1>;tag=1\r\nTo: <sip:agent@127.0.0.1>\r\nCall-ID: broken@127.0.0.1\r\nCSeq: 1 INVITE\r\n"
+        "Contact: <sip:x@127.0.0.1:9>\r\nContent-Type: application/sdp\r\nContent-Length: 9999\r\n\r\nv=0\r\nm=audio x\r\n"
+    ).encode()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+        for datagram in [b"\x00\xff" * 700, invite_without_headers, broken_sdp, b"SIP/2.0 200 OK\r\n\r\n"]:
+            udp.sendto(datagram, ("127.0.0.1", port))
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"\x16\x03\x01" + os.urandom(3000))  # a TLS hello's start, then noise
+    await writer.drain()
+    writer.close()
+
+    caller = await phone(tmp_path, "caller")
+    try:
+        await caller.dial(agent_uri(agent))
+        await caller.wait_for_event("CALL_ESTABLISHED", CALL_SECS)
+        conversation = await the_call(agent)
+        await greeted(conversation)
+        await caller.send_digits("9#")
+        prompts = engines.llm.of(conversation).prompts
+        await until(lambda: any("DTMF: 9#" in m["content"] for prompt in prompts for m in prompt), CALL_SECS, "the call was not served")
+        await caller.hang_up()
+        await until(lambda: not agent.state.sessions.active, CALL_SECS, "the conversation outlived the call")
+    finally:
+        await caller.stop()
+    assert agent.state.sip.listening.is_set()
+    await until(lambda: agent.state.sip.calls_held == 0, CALL_SECS, "pjsua2 still holds a call")

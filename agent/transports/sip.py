@@ -1,6 +1,7 @@
 """Phone calls over SIP (pjsua2): the process' one SIP endpoint, who may call, and one conversation per answered call."""
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -303,6 +304,20 @@ class SipTransport(BaseTransport):
 # --- pjsua2: the endpoint and its calls (only the events thread and pjmedia's clock call in) ------
 
 
+def pjsip_callback(method):
+    """A pjsua2 callback that logs its errors: an exception leaving a SWIG director method becomes
+    a C++ exception inside pjsip, which aborts the whole process."""
+
+    @functools.wraps(method)
+    def guarded(self, *args):
+        try:
+            method(self, *args)
+        except Exception:
+            logger.exception(f"SIP: {method.__qualname__} failed")
+
+    return guarded
+
+
 class BridgePort(pj.AudioMediaPort):
     """One call's port on the conference bridge: its frames go to and come from the CallAudio."""
 
@@ -310,12 +325,14 @@ class BridgePort(pj.AudioMediaPort):
         super().__init__()
         self._audio = audio
 
+    @pjsip_callback
     def onFrameReceived(self, frame):
         if frame.type == pj.PJMEDIA_FRAME_TYPE_AUDIO and frame.size:
             self._audio.heard(bytes(frame.buf))
         else:
             self._audio.heard(b"\x00" * FRAME_BYTES)
 
+    @pjsip_callback
     def onFrameRequested(self, frame):
         frame.type = pj.PJMEDIA_FRAME_TYPE_AUDIO
         frame.buf = pj.ByteVector(self._audio.next_frame())
@@ -329,11 +346,13 @@ class AgentCall(pj.Call):
         self.audio = audio
         self.port: BridgePort | None = None
 
+    @pjsip_callback
     def onCallState(self, prm):
         info = self.getInfo()
         if info.state == pj.PJSIP_INV_STATE_DISCONNECTED:
             self.endpoint.call_ended(self, info.lastStatusCode)
 
+    @pjsip_callback
     def onCallMediaState(self, prm):
         if self.port is not None or not self.hasMedia():
             return
@@ -347,6 +366,7 @@ class AgentCall(pj.Call):
         self.port = port
         self.audio.post("connected")
 
+    @pjsip_callback
     def onDtmfDigit(self, prm):
         # RFC 2833 events and SIP INFO (application/dtmf-relay) alike; pjsua reports both here.
         try:
@@ -362,6 +382,7 @@ class AgentAccount(pj.Account):
         super().__init__()
         self.endpoint = endpoint
 
+    @pjsip_callback
     def onIncomingCall(self, prm):
         self.endpoint.incoming(self, prm)
 
@@ -430,6 +451,11 @@ class SipEndpoint:
         await asyncio.to_thread(self._thread.join, SHUTDOWN_GRACE_SECS + 5)
         self._thread = None
 
+    @property
+    def calls_held(self) -> int:
+        """Calls pjsua2 holds for us: ringing, answered, or refused and not yet gone."""
+        return len(self._calls)
+
     def _run_on_events_thread(self, command: Callable[[], None]) -> None:
         self._commands.put(command)
 
@@ -446,6 +472,10 @@ class SipEndpoint:
                 refusal = (486, e.detail, {})
             logger.info(f"SIP: call {audio.name} refused: {e.detail}")
             self._run_on_events_thread(lambda: self._answer(audio.name, *refusal))
+            return
+        except Exception:
+            logger.exception(f"SIP: call {audio.name} could not be admitted")
+            self._run_on_events_thread(lambda: self._answer(audio.name, 500, "server error"))
             return
         task = asyncio.create_task(self._converse(audio, engines))
         self._conversations.add(task)
