@@ -238,3 +238,43 @@ async def test_malformed_sip_is_refused_and_the_next_call_is_served(agent, engin
         await caller.stop()
     assert agent.state.sip.listening.is_set()
     await until(lambda: agent.state.sip.calls_held == 0, CALL_SECS, "pjsua2 still holds a call")
+
+
+def rms(audio: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(audio.astype(np.float64) ** 2))) if audio.size else 0.0
+
+
+async def test_talking_over_the_agent_on_the_phone_stops_it_and_the_new_question_is_answered(agent, engines, say, tmp_path):
+    caller = await phone(tmp_path, "caller")
+    try:
+        await caller.dial(agent_uri(agent))
+        await caller.wait_for_event("CALL_ESTABLISHED", CALL_SECS)
+        established_at = time.monotonic()
+        conversation = await the_call(agent)
+        await greeted(conversation)
+        await caller.speak(to_phone_rate(await say("Tell me a long story about a dragon and a knight.")))
+        llm = engines.llm.of(conversation)
+        await until(lambda: llm.replies and conversation.playback.last_played_at > time.monotonic() - 0.2, CALL_SECS, "the story never started")
+        await asyncio.sleep(1.0)  # well into the story
+        question = "Stop. What is the capital of Italy?"
+        barged_at = time.monotonic() - established_at
+        speech_secs = await caller.speak(to_phone_rate(await say(question)))
+        await until(lambda: len(llm.prompts) >= 2, CALL_SECS, "the new question never reached the LLM")
+        await asyncio.sleep(speech_secs)
+        await until(lambda: len(assistant_said(conversation)) >= 3 and not conversation.replying(), CALL_SECS, "the answer never ended")
+        await caller.hang_up()
+        await caller.wait_for_event("CALL_CLOSED", CALL_SECS)
+        await until(lambda: not agent.state.sessions.active, CALL_SECS, "the conversation outlived the call")
+    finally:
+        await caller.stop()
+
+    heard_question = [m["content"] for m in llm.prompts[-1] if m["role"] == "user"][-1]
+    assert wer(question, heard_question) <= 0.35, heard_question
+    audio, rate = caller.heard()
+    story = audio[int((barged_at - 1.0) * rate) : int(barged_at * rate)]
+    # Generous: the barge-in waits for a word from STT on a busy machine; then the story is cut.
+    while_asking = audio[int((barged_at + 2.5) * rate) : int((barged_at + speech_secs) * rate)]
+    assert rms(while_asking) < 0.1 * rms(story), (rms(while_asking), rms(story))
+    answer = assistant_said(conversation)[-1]
+    answer_heard = await transcribe_heard(engines, audio[int((barged_at + speech_secs) * rate) :], rate)
+    assert wer(answer, answer_heard) <= 0.4, (answer, answer_heard)
