@@ -135,11 +135,12 @@ class BaresipPhone:
         await self.command("ausrc", f"aufile,{path}")
         return len(pcm) / 2 / rate
 
-    async def wait_for_event(self, kind: str, timeout: float) -> dict:
+    async def wait_for_event(self, kind: str, timeout: float, since: int = 0) -> dict:
+        """The first `kind` event from `events[since]` on (`since=len(phone.events)` before a
+        dial: that call's), once baresip reports it."""
         deadline = time.monotonic() + timeout
-        seen = 0
         while time.monotonic() < deadline:
-            for event in self.events[seen:]:
+            for event in self.events[since:]:
                 if event.get("type") == kind:
                     return event
             await asyncio.sleep(0.05)

@@ -319,23 +319,35 @@ def pjsip_callback(method):
 
 
 class BridgePort(pj.AudioMediaPort):
-    """One call's port on the conference bridge: its frames go to and come from the CallAudio."""
+    """A port on the conference bridge whose frames go to and come from one call's CallAudio.
 
-    def __init__(self, audio: CallAudio):
+    Ports are reused, never deleted while the bridge runs: pjmedia's clock thread may be inside
+    a callback while Python tears the object down, which crashed the process. A port between
+    calls (`audio` None) hears nothing and says silence.
+    """
+
+    def __init__(self, name: str):
         super().__init__()
-        self._audio = audio
+        self.audio: CallAudio | None = None
+        fmt = pj.MediaFormatAudio()
+        fmt.init(pj.PJMEDIA_FORMAT_PCM, BRIDGE_RATE, 1, FRAME_MS * 1000, 16)
+        self.createPort(name, fmt)
 
     @pjsip_callback
     def onFrameReceived(self, frame):
+        audio = self.audio
+        if audio is None:
+            return
         if frame.type == pj.PJMEDIA_FRAME_TYPE_AUDIO and frame.size:
-            self._audio.heard(bytes(frame.buf))
+            audio.heard(bytes(frame.buf))
         else:
-            self._audio.heard(b"\x00" * FRAME_BYTES)
+            audio.heard(b"\x00" * FRAME_BYTES)
 
     @pjsip_callback
     def onFrameRequested(self, frame):
+        audio = self.audio
         frame.type = pj.PJMEDIA_FRAME_TYPE_AUDIO
-        frame.buf = pj.ByteVector(self._audio.next_frame())
+        frame.buf = pj.ByteVector(audio.next_frame() if audio is not None else b"\x00" * FRAME_BYTES)
         frame.size = FRAME_BYTES
 
 
@@ -354,17 +366,17 @@ class AgentCall(pj.Call):
 
     @pjsip_callback
     def onCallMediaState(self, prm):
-        if self.port is not None or not self.hasMedia():
+        if not self.hasMedia():
             return
+        # Connected again on every change: a re-INVITE (hold, codec change) replaces the stream.
         media = self.getAudioMedia(-1)
-        port = BridgePort(self.audio)
-        fmt = pj.MediaFormatAudio()
-        fmt.init(pj.PJMEDIA_FORMAT_PCM, BRIDGE_RATE, 1, FRAME_MS * 1000, 16)
-        port.createPort(f"call-{self.audio.name}", fmt)
-        media.startTransmit(port)
-        port.startTransmit(media)
-        self.port = port
-        self.audio.post("connected")
+        first = self.port is None
+        if first:
+            self.port = self.endpoint.bridge_port(self.audio)
+        media.startTransmit(self.port)
+        self.port.startTransmit(media)
+        if first:
+            self.audio.post("connected")
 
     @pjsip_callback
     def onDtmfDigit(self, prm):
@@ -419,6 +431,8 @@ class SipEndpoint:
         )
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._calls: dict[str, AgentCall] = {}  # by CallAudio.name; touched on the events thread only
+        self._ports: list[BridgePort] = []  # every bridge port made (events thread)
+        self._idle_ports: list[BridgePort] = []
         self._conversations: set[asyncio.Task] = set()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -523,7 +537,10 @@ class SipEndpoint:
             endpoint.hangupAllCalls()
             for _ in range(20):  # let the BYEs go out
                 endpoint.libHandleEvents(EVENT_POLL_MS)
+            endpoint.audDevManager().setNoDev()  # stops the bridge's clock: no port is called back now
             self._calls.clear()
+            self._idle_ports.clear()
+            self._ports.clear()
             account.shutdown()
             del account
             endpoint.libDestroy()
@@ -625,8 +642,21 @@ class SipEndpoint:
         if call is not None and call.isActive():
             call.hangup(pj.CallOpParam())
 
+    def bridge_port(self, audio: CallAudio) -> BridgePort:
+        """A bridge port for `audio`: an idle one, or a new one (as many as calls at once, at most)."""
+        port = self._idle_ports.pop() if self._idle_ports else None
+        if port is None:
+            port = BridgePort(f"call-port-{len(self._ports)}")
+            self._ports.append(port)
+        port.audio = audio
+        return port
+
     def call_ended(self, call: AgentCall, status: int) -> None:
         call.audio.post("disconnected")
+        if call.port is not None:
+            call.port.audio = None  # pjsua disconnected it from the call's stream already
+            self._idle_ports.append(call.port)
+            call.port = None
         # Dropped later on this thread (deleting a pjsua2 object elsewhere trips pjlib), once this
         # callback has returned: pjsua still uses the call while it runs.
         self._run_on_events_thread(lambda: self._calls.pop(call.audio.name, None))
