@@ -12,10 +12,11 @@ import numpy as np
 
 from agent.livekit_dev_server import free_port
 
-PHONE_RATE = 8000  # the phone's WAV files; baresip offers PCMU/PCMA only, a narrowband line
+PHONE_RATE = 8000  # a narrowband line (PCMU/PCMA); G.722 phones run at 16 kHz
+CODECS = {"g711": ("g711.so", 8000), "g722": ("g722.so", 16000)}
 # baresip hangs up when its microphone file ends: everything said is followed by this much silence.
 TRAILING_SILENCE_SECS = 300
-MODULES = ["account.so", "g711.so", "aufile.so", "aubridge.so", "sndfile.so", "ctrl_tcp.so", "menu.so"]
+MODULES = ["account.so", "aufile.so", "aubridge.so", "sndfile.so", "ctrl_tcp.so", "menu.so"]
 
 
 def write_microphone(path: Path, pcm: bytes, rate: int) -> None:
@@ -40,11 +41,20 @@ class BaresipPhone:
     `events` (`{"type": "CALL_ESTABLISHED", "param": ...}`), in order.
     """
 
-    def __init__(self, directory: Path, *, address: str = "127.0.0.1", username: str | None = None, password: str | None = None):
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        address: str = "127.0.0.1",
+        username: str | None = None,
+        password: str | None = None,
+        codec: str = "g711",
+    ):
         if shutil.which("baresip") is None:
             raise FileNotFoundError("baresip is not installed: run scripts/install-sip.sh")
         self.directory = directory
         self.address = address
+        codec_module, self.rate = CODECS[codec]
         self.sip_port = free_port()
         self.ctrl_port = free_port()
         self.events: list[dict] = []
@@ -53,7 +63,7 @@ class BaresipPhone:
         self._reader_task: asyncio.Task | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._silence = directory / "silence.wav"
-        write_microphone(self._silence, b"", PHONE_RATE)
+        write_microphone(self._silence, b"", self.rate)
         auth = f";auth_user={username};auth_pass={password}" if username else ""
         (directory / "accounts").write_text(f"<sip:phone@{address}:{self.sip_port}>;regint=0{auth};answermode=manual\n")
         (directory / "contacts").write_text("")
@@ -62,12 +72,13 @@ class BaresipPhone:
                 [
                     f"sip_listen {address}:{self.sip_port}",
                     "module_path /usr/lib/baresip/modules",
+                    f"module {codec_module}",
                     *[f"module {m}" for m in MODULES],
                     f"audio_source aufile,{self._silence}",
                     # A speaker that plays nowhere: the call's audio is decoded (and dumped by sndfile).
                     "audio_player aubridge,speaker",
                     "audio_alert aubridge,alert",
-                    "audio_srate 8000",
+                    f"audio_srate {self.rate}",
                     "audio_channels 1",
                     f"snd_path {directory}",
                     f"ctrl_tcp_listen 127.0.0.1:{self.ctrl_port}",
@@ -127,9 +138,10 @@ class BaresipPhone:
             await self.command("sndcode", digit)
             await asyncio.sleep(0.3)
 
-    async def speak(self, pcm: bytes, rate: int = PHONE_RATE) -> float:
-        """Say `pcm` into the call now (the microphone switches to it; silence after it ends).
-        Returns its length in seconds."""
+    async def speak(self, pcm: bytes) -> float:
+        """Say `pcm` (mono PCM16 at the phone's `rate`) into the call now: the microphone switches
+        to it, and to silence after it. Returns its length in seconds."""
+        rate = self.rate
         path = self.directory / f"say-{len(self.events)}-{time.monotonic_ns()}.wav"
         write_microphone(path, pcm, rate)
         await self.command("ausrc", f"aufile,{path}")
@@ -150,7 +162,7 @@ class BaresipPhone:
         """Everything the phone has heard on its calls so far (sndfile's decoded-audio dumps)."""
         dumps = sorted(self.directory.glob("dump-*-dec.wav"))
         if not dumps:
-            return np.zeros(0, dtype=np.int16), PHONE_RATE
+            return np.zeros(0, dtype=np.int16), self.rate
         pcm, rate = read_wav(dumps[-1])
         return np.frombuffer(pcm, dtype=np.int16), rate
 

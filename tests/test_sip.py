@@ -102,9 +102,9 @@ async def transcribe_heard(engines, audio: np.ndarray, rate: int) -> str:
     return (await engines.stt.transcribe(audio.tobytes(), rate)).text
 
 
-def to_phone_rate(pcm_16k: bytes) -> bytes:
+def to_phone_rate(pcm_16k: bytes, rate: int = PHONE_RATE) -> bytes:
     audio = np.frombuffer(pcm_16k, dtype=np.int16)
-    return soxr.resample(audio, 16000, PHONE_RATE).astype(np.int16).tobytes()
+    return soxr.resample(audio, 16000, rate).astype(np.int16).tobytes()
 
 
 async def test_a_phone_call_greets_hears_the_question_answers_it_and_ends_with_the_hang_up(agent, engines, say, tmp_path):
@@ -254,21 +254,21 @@ def rms(audio: np.ndarray) -> float:
     return float(np.sqrt(np.mean(audio.astype(np.float64) ** 2))) if audio.size else 0.0
 
 
-async def test_talking_over_the_agent_on_the_phone_stops_it_and_the_new_question_is_answered(agent, engines, say, tmp_path):
-    caller = await phone(tmp_path, "caller")
+async def test_talking_over_the_agent_on_a_wideband_phone_stops_it_and_the_new_question_is_answered(agent, engines, say, tmp_path):
+    caller = await phone(tmp_path, "caller", codec="g722")  # G.722: 16 kHz both ways
     try:
         await caller.dial(agent_uri(agent))
         await caller.wait_for_event("CALL_ESTABLISHED", CALL_SECS)
         established_at = time.monotonic()
         conversation = await the_call(agent)
         await greeted(conversation)
-        await caller.speak(to_phone_rate(await say("Tell me a long story about a dragon and a knight.")))
+        await caller.speak(to_phone_rate(await say("Tell me a long story about a dragon and a knight."), caller.rate))
         llm = engines.llm.of(conversation)
         await until(lambda: llm.replies and conversation.playback.last_played_at > time.monotonic() - 0.2, CALL_SECS, "the story never started")
         await asyncio.sleep(1.0)  # well into the story
         question = "Stop. What is the capital of Italy?"
         barged_at = time.monotonic() - established_at
-        speech_secs = await caller.speak(to_phone_rate(await say(question)))
+        speech_secs = await caller.speak(to_phone_rate(await say(question), caller.rate))
         await until(lambda: len(llm.prompts) >= 2, CALL_SECS, "the new question never reached the LLM")
         await asyncio.sleep(speech_secs)
         await until(lambda: len(assistant_said(conversation)) >= 3 and not conversation.replying(), CALL_SECS, "the answer never ended")
