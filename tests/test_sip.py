@@ -6,6 +6,7 @@ import os
 import socket
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from tests.test_concurrency import rss_mb
 GREETING = "Hello, you are speaking with the voice assistant. How can I help?"
 USERNAME, PASSWORD = "trunk", "correct-horse-battery"
 CALL_SECS = 60  # generous: the machine runs other tests' models at the same time
+SIPP_DIR = Path(__file__).resolve().parents[1] / "harness" / "sipp"
 
 
 @pytest.fixture(scope="module")
@@ -325,3 +327,19 @@ async def test_fifty_calls_in_a_row_leave_no_threads_tasks_or_memory_behind(agen
     # object left behind (native memory; not found yet). Bounded so that a leak of whole calls or
     # conversations still fails.
     assert grown[2] <= 50 * 5, grown
+
+
+async def test_a_call_whose_caller_never_acks_the_answer_ends_and_frees_its_slot(agent):
+    # SIPp: digest-authenticated INVITE, answered with 200, and no ACK ever (harness/sipp/).
+    port = agent.state.settings.sip_port
+    sipp = await asyncio.create_subprocess_exec(
+        "sipp", "-sf", str(SIPP_DIR / "never_acks.xml"), "-au", USERNAME, "-ap", PASSWORD,
+        "-i", "127.0.0.1", "-p", str(free_port()), "-m", "1", "-timeout", "60s", "-nostdin",
+        f"127.0.0.1:{port}",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    output, _ = await asyncio.wait_for(sipp.communicate(), CALL_SECS)
+    assert sipp.returncode == 0, output.decode(errors="replace")[-2000:]
+    assert agent.state.sessions.active == 1  # answered: its conversation runs, waiting for the ACK
+    await until(lambda: not agent.state.sessions.active, CALL_SECS, "the unacknowledged call kept its slot")
+    await until(lambda: agent.state.sip.calls_held == 0, CALL_SECS, "pjsua2 still holds the call")

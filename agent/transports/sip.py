@@ -57,6 +57,7 @@ DIGEST_REALM = "voice-agent"
 NONCE_TTL_SECS = 60
 MAX_NONCES = 1024
 SHUTDOWN_GRACE_SECS = 5
+ACK_TIMEOUT_SECS = 32.0  # RFC 3261 timer H (64 × T1): how long an answered call may wait for its ACK
 DIGEST_FIELD = re.compile(r'(\w+)=(?:"([^"]*)"|([^\s,]+))')  # key="quoted" or key=bare
 
 
@@ -507,11 +508,15 @@ class SipEndpoint:
             return conversation
 
         self._run_on_events_thread(lambda: self._answer(audio.name, 200))
+        unacknowledged = self._loop.call_later(
+            ACK_TIMEOUT_SECS, self._run_on_events_thread, lambda: self._hang_up_unless_confirmed(audio.name)
+        )
         try:
             await self._admission.serve(audio.name, build)
         except Exception:
             logger.exception(f"call {audio.name}: the conversation could not start")
         finally:
+            unacknowledged.cancel()
             # However the conversation ended (idle, an error, shutdown): the call ends with it.
             self._run_on_events_thread(lambda: self._hang_up(audio.name))
 
@@ -636,6 +641,13 @@ class SipEndpoint:
             header.hValue = value
             param.txOption.headers.append(header)
         call.answer(param)
+
+    def _hang_up_unless_confirmed(self, name: str) -> None:
+        """A caller that never ACKs our 200 OK: pjsip goes on waiting, so the call is ended here."""
+        call = self._calls.get(name)
+        if call is not None and call.isActive() and call.getInfo().state != pj.PJSIP_INV_STATE_CONFIRMED:
+            logger.warning(f"SIP: call {name} never acknowledged the answer; hanging up")
+            call.hangup(pj.CallOpParam())
 
     def _hang_up(self, name: str) -> None:
         call = self._calls.get(name)
