@@ -17,7 +17,7 @@ from agent.app import create_app
 from agent.livekit_dev_server import free_port
 from harness.serving import serving
 from harness.sip_phone import PHONE_RATE, BaresipPhone
-from harness.speech import normalize, wer
+from harness.speech import wer
 from tests.test_concurrency import rss_mb
 
 GREETING = "Hello, you are speaking with the voice assistant. How can I help?"

@@ -33,7 +33,6 @@ from pipecat.transports.base_input import BaseInputTransport
 from pipecat.transports.base_output import BaseOutputTransport
 from pipecat.transports.base_transport import BaseTransport, TransportParams
 
-from agent.config import Settings
 from agent.conversation import build_conversation
 from agent.server.admission import RETRY_AFTER_SECS, Admission
 from services.audio import INPUT_SAMPLE_RATE, OUTPUT_SAMPLE_RATE
@@ -50,7 +49,9 @@ PLAYBACK_AHEAD_SECS = 0.1
 # Caller audio waiting for a conversation whose pipeline is not running yet (or is stalled); past
 # this the newest frames are dropped rather than growing without bound.
 MAX_QUEUED_FRAMES = 500
-CODEC_PRIORITIES = {"G722/16000/1": 200, "PCMU/8000/1": 190, "PCMA/8000/1": 180, "opus/48000/2": 210}
+# What the endpoint offers, best first; every other codec the build has is disabled. Opus is used
+# when the build has it (pjsua2-python 2.15.1.post1 does not).
+CODEC_PRIORITIES = {"opus/48000/2": 210, "G722/16000/1": 200, "PCMU/8000/1": 190, "PCMA/8000/1": 180}
 MAX_CALLS = 32  # pjsua's compiled-in ceiling (PJSUA_MAX_CALLS): calls past capacity still get a 486
 EVENT_POLL_MS = 10
 DIGEST_REALM = "voice-agent"
