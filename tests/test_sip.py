@@ -17,7 +17,7 @@ from agent.app import create_app
 from agent.livekit_dev_server import free_port
 from harness.serving import serving
 from harness.sip_phone import PHONE_RATE, BaresipPhone
-from harness.speech import wer
+from harness.speech import normalize, wer
 from tests.test_concurrency import rss_mb
 
 GREETING = "Hello, you are speaking with the voice assistant. How can I help?"
@@ -268,7 +268,9 @@ async def test_talking_over_the_agent_on_a_wideband_phone_stops_it_and_the_new_q
         llm = engines.llm.of(conversation)
         await until(lambda: llm.replies and conversation.playback.last_played_at > time.monotonic() - 0.2, CALL_SECS, "the story never started")
         await asyncio.sleep(1.0)  # well into the story
-        question = "Stop. What is the capital of Italy?"
+        # Long enough that the agent must have stopped well before its end; its first second may
+        # be lost while the echo canceller converges (the default for calls: see ECHO_CANCELLATION).
+        question = "Sorry to cut you off, but I have a different question now. What is the capital of Italy?"
         barged_at = time.monotonic() - established_at
         speech_secs = await caller.speak(to_phone_rate(await say(question), caller.rate))
         await until(lambda: len(llm.prompts) >= 2, CALL_SECS, "the new question never reached the LLM")
@@ -280,8 +282,8 @@ async def test_talking_over_the_agent_on_a_wideband_phone_stops_it_and_the_new_q
     finally:
         await caller.stop()
 
-    heard_question = [m["content"] for m in llm.prompts[-1] if m["role"] == "user"][-1]
-    assert wer(question, heard_question) <= 0.35, heard_question
+    heard_question = llm.prompts[-1][-1]["content"]
+    assert "capital of italy" in normalize(heard_question), heard_question
     audio, rate = caller.heard()
     story = audio[int((barged_at - 1.0) * rate) : int(barged_at * rate)]
     # Generous: the barge-in waits for a word from STT on a busy machine; then the story is cut.
