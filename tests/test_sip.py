@@ -2,7 +2,9 @@
 
 import asyncio
 import gc
+import hashlib
 import os
+import re
 import socket
 import threading
 import time
@@ -15,6 +17,7 @@ from pydantic import SecretStr
 
 from agent.app import create_app
 from agent.livekit_dev_server import free_port
+from agent.transports.sip import DIGEST_REALM, DigestChallenge
 from harness.serving import serving
 from harness.sip_phone import PHONE_RATE, BaresipPhone
 from harness.speech import normalize, wer
@@ -345,3 +348,24 @@ async def test_a_call_whose_caller_never_acks_the_answer_ends_and_frees_its_slot
     assert agent.state.sessions.active == 1  # answered: its conversation runs, waiting for the ACK
     await until(lambda: not agent.state.sessions.active, CALL_SECS, "the unacknowledged call kept its slot")
     await until(lambda: agent.state.sip.calls_held == 0, CALL_SECS, "pjsua2 still holds the call")
+
+
+def test_digest_credentials_are_checked_and_each_challenge_is_good_for_one_call():
+    digest = DigestChallenge(USERNAME, PASSWORD)
+
+    def authorization(password: str, nonce: str) -> str:
+        def md5(text: str) -> str:
+            return hashlib.md5(text.encode()).hexdigest()
+
+        ha1, ha2 = md5(f"{USERNAME}:{DIGEST_REALM}:{password}"), md5("INVITE:sip:agent@127.0.0.1")
+        response = md5(f"{ha1}:{nonce}:00000001:c0ffee:auth:{ha2}")
+        return (
+            f'Digest username="{USERNAME}", realm="{DIGEST_REALM}", nonce="{nonce}", '
+            f'uri="sip:agent@127.0.0.1", response="{response}", qop=auth, nc=00000001, cnonce="c0ffee"'
+        )
+
+    nonce = re.search(r'nonce="([^"]+)"', digest.challenge()).group(1)
+    assert not digest.verify(authorization("wrong-password", nonce))
+    assert not digest.verify(authorization(PASSWORD, "a-nonce-we-never-issued"))
+    assert digest.verify(authorization(PASSWORD, nonce))
+    assert not digest.verify(authorization(PASSWORD, nonce)), "a captured INVITE was accepted again"

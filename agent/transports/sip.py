@@ -62,7 +62,6 @@ ACK_TIMEOUT_SECS = 32.0  # RFC 3261 timer H (64 × T1): how long an answered cal
 DIGEST_FIELD = re.compile(r'(\w+)=(?:"([^"]*)"|([^\s,]+))')  # key="quoted" or key=bare
 
 
-
 # --- who may call -------------------------------------------------------------------------------
 
 
@@ -96,7 +95,8 @@ def source_allowed(address: str, networks) -> bool:
 
 class DigestChallenge:
     """RFC 2617 digest authentication of INVITEs against SIP_USERNAME/SIP_PASSWORD, with nonces
-    this endpoint issued (and forgets after NONCE_TTL_SECS)."""
+    this endpoint issued, each good for one call within NONCE_TTL_SECS (a captured INVITE cannot
+    be replayed)."""
 
     def __init__(self, username: str, password: str):
         self._username = username
@@ -128,7 +128,10 @@ class DigestChallenge:
             expected = md5(f"{ha1}:{fields['nonce']}:{fields.get('nc', '')}:{fields.get('cnonce', '')}:auth:{ha2}")
         else:
             expected = md5(f"{ha1}:{fields['nonce']}:{ha2}")
-        return hmac.compare_digest(expected, fields.get("response", ""))
+        if not hmac.compare_digest(expected, fields.get("response", "")):
+            return False
+        del self._nonces[fields["nonce"]]
+        return True
 
 
 def header_of(message: str, name: str) -> str | None:
