@@ -12,7 +12,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import pjsua2 as pj
@@ -404,13 +403,6 @@ class AgentAccount(pj.Account):
         self.endpoint.incoming(self, prm)
 
 
-@dataclass
-class Refusal:
-    status: int
-    reason: str
-    headers: dict[str, str]
-
-
 class SipEndpoint:
     """The process' one pjsua2 endpoint (UDP and TCP on SIP_PORT): answers calls from allowed
     sources (and with the right digest credentials, when set), one conversation per call through
@@ -442,7 +434,6 @@ class SipEndpoint:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.refusals: list[Refusal] = []  # the last few, for logs and tests
         self.listening = threading.Event()
 
     # --- the event loop's side
@@ -633,8 +624,6 @@ class SipEndpoint:
         call = self._calls.get(name)
         if call is None:
             return  # the caller gave up (CANCEL) meanwhile
-        if status not in (200, 401):  # a 401 is a digest challenge, not a refusal
-            self.refusals = [*self.refusals[-19:], Refusal(status, reason, headers or {})]
         param = pj.CallOpParam()
         param.statusCode = status
         if reason and status != 200:
