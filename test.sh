@@ -2,7 +2,8 @@
 # Installs (once) what the tests need and runs them. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")"
-scripts/install.sh piper,dev
+scripts/install.sh piper,dev,sip
 scripts/install-livekit.sh
+scripts/install-sip.sh
 scripts/install-browser.sh
 exec .venv/bin/python -m pytest "$@"

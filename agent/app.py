@@ -52,6 +52,13 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
 
         app.state.livekit = LiveKitRooms(admission)
         app.state.livekit.add_routes(app)
+    app.state.sip = None
+    if settings.sip_enabled:
+        try:
+            from agent.transports.sip import SipEndpoint
+        except ModuleNotFoundError as e:
+            raise RuntimeError(f"SIP_PORT is set but the `sip` extra is not installed (pip install -e '.[sip]'): {e}") from e
+        app.state.sip = SipEndpoint(admission)
 
     app.add_middleware(TrustedHostMiddleware, allowed_hosts=settings.host_names)
     app.add_api_route("/health", health, methods=["GET"])
@@ -66,8 +73,12 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
 async def lifespan(app: FastAPI):
     # Loading runs in the background, so /health can answer "loading" meanwhile.
     loading = asyncio.create_task(start_engines(app))
+    if app.state.sip is not None:
+        await app.state.sip.start()  # calls before the models are ready get 503 with Retry-After
     yield
     loading.cancel()
+    if app.state.sip is not None:
+        await app.state.sip.stop()  # hangs up every call
     if app.state.livekit is not None:
         await app.state.livekit.stop()
     await app.state.peer_to_peer.close()  # ends each peer's conversation
@@ -102,6 +113,7 @@ async def health(request: Request):
         "sessions": app.state.sessions.active,
         "transport": "livekit" if livekit is not None else "webrtc",
         "livekit_worker": livekit.worker_id if livekit is not None else None,
+        "sip_port": app.state.settings.sip_port if app.state.sip is not None else None,
     }
 
 

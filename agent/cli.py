@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_server_options(command(
         "serve", serve_command, "serve the agent and its browser client over HTTP and WebRTC",
-        "Load the models, then serve /health, /api/offer (WebRTC) and /client/.",
+        "Load the models, then serve /health, /api/offer (WebRTC) and /client/; with SIP_PORT set, "
+        "also answer phone calls over SIP on that port.",
     ))  # fmt: skip
     dev = command(
         "dev", dev_command,
@@ -193,6 +194,8 @@ async def serve_and_announce(server, settings) -> None:
     if server.started:
         host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
         print(f"voice-agent is listening: open http://{host}:{settings.port}/client/", flush=True)
+        if settings.sip_enabled:
+            print(f"voice-agent answers SIP calls on {settings.sip_host}:{settings.sip_port} (UDP, TCP)", flush=True)
     await serving
 
 

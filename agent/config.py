@@ -215,6 +215,27 @@ class Settings(BaseSettings):
     )
     metrics_public: bool = Field(False, description="Serve /metrics without the API key (e.g. to a scraper on a private network).")
 
+    sip_port: int | None = Field(
+        None, ge=1, le=65535, description="Answer SIP calls on this port (UDP and TCP); unset = no SIP."
+    )
+    sip_host: str = Field("0.0.0.0", description="Address the SIP endpoint listens on.")
+    sip_public_address: str | None = Field(
+        None, description="Address put in SDP and Contact headers when the agent is behind NAT."
+    )
+    sip_rtp_port: int = Field(
+        20000, ge=1024, le=65535, description="First UDP port for calls' RTP (each call takes two: RTP and RTCP)."
+    )
+    sip_rtp_port_range: int = Field(200, ge=2, description="How many RTP ports from SIP_RTP_PORT calls may use.")
+    sip_allowed_sources: str = Field(
+        "127.0.0.1/32,::1/128",
+        description="Addresses or CIDRs, comma-separated, whose calls are answered (a carrier's trunk); others get 403.",
+    )
+    sip_username: str | None = Field(None, description="With SIP_PASSWORD: callers must also pass digest authentication.")
+    sip_password: SecretStr | None = Field(None, description="Digest password callers must know; never logged.")
+    sip_echo_cancellation: bool = Field(
+        True, description="Cancel the agent's echo on phone calls (a handset or line echoes), whatever ECHO_CANCELLATION says."
+    )
+
     host: str = "127.0.0.1"
     port: int = Field(7860, ge=1, le=65535)
     cache_dir: Path = Field(
@@ -238,6 +259,10 @@ class Settings(BaseSettings):
     @property
     def livekit_enabled(self) -> bool:
         return bool(self.livekit_url and self.livekit_api_key and self.livekit_api_secret)
+
+    @property
+    def sip_enabled(self) -> bool:
+        return self.sip_port is not None
 
     @model_validator(mode="after")
     def _fill_profile_defaults(self) -> "Settings":

@@ -20,6 +20,11 @@ OVERRIDDEN_TURN_STOP_HOOKS = ("_maybe_trigger_user_turn_stopped", "_reset")
 # every client message in the first and has no option to refuse a type or bound a text.
 OVERRIDDEN_RTVI_HOOKS = ("_handle_message", "_send_error_response")
 
+# The protected hooks of BaseObject a transport of ours announces its client with (the SIP call's
+# `on_client_connected`/`on_client_disconnected`), as Pipecat's own transports do: there is no
+# public way for a transport to declare and fire an event.
+TRANSPORT_EVENT_HOOKS = ("_register_event_handler", "_call_event_handler")
+
 
 def set_stt_pre_roll(stt: SegmentedSTTService, seconds: float) -> None:
     """How much audio a segmented STT keeps from before the VAD's start event.

@@ -4,6 +4,7 @@ Each test names the one function that holds the reach; when a library upgrade br
 that function, not its callers.
 """
 
+import asyncio
 import inspect
 
 import numpy as np
@@ -113,6 +114,36 @@ def test_rtvi_still_dispatches_client_messages_through_the_hooks_we_override():
     for hook in pipecat_internals.OVERRIDDEN_RTVI_HOOKS:
         assert inspect.iscoroutinefunction(getattr(RTVIProcessor, hook)), hook
     assert "await self._handle_message(" in inspect.getsource(RTVIProcessor._message_task_handler)
+
+
+async def test_a_transport_still_declares_and_fires_its_events_through_the_hooks_we_call():
+    # pipecat_internals.TRANSPORT_EVENT_HOOKS, used by agent.transports.sip.SipTransport
+    from pipecat.transports.base_transport import BaseTransport
+
+    class Announcing(BaseTransport):
+        def __init__(self):
+            super().__init__()
+            getattr(self, pipecat_internals.TRANSPORT_EVENT_HOOKS[0])("on_client_connected")
+
+        def input(self):
+            return None
+
+        def output(self):
+            return None
+
+    transport = Announcing()
+    heard = []
+
+    @transport.event_handler("on_client_connected")
+    async def on_client_connected(transport, client):
+        heard.append(client)
+
+    await getattr(transport, pipecat_internals.TRANSPORT_EVENT_HOOKS[1])("on_client_connected", "caller")
+    for _ in range(100):  # Pipecat may run handlers as tasks
+        if heard:
+            break
+        await asyncio.sleep(0.01)
+    assert heard == ["caller"]
 
 
 def test_torch_still_quantizes_linear_layers_to_int8_per_channel():

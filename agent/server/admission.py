@@ -34,17 +34,22 @@ class Admission:
             raise HTTPException(503, "models are loading", headers={"Retry-After": str(RETRY_AFTER_SECS)})
         return engines
 
-    def check(self, transport: str, authorization: str | None) -> Engines:
-        """Refuse now what `admit` would refuse, without taking a slot (e.g. before minting a LiveKit token)."""
-        check_api_key(self.settings, authorization)
+    def check(self, transport: str, authorization: str | None, *, authenticated: bool = False) -> Engines:
+        """Refuse now what `admit` would refuse, without taking a slot (e.g. before minting a LiveKit token).
+
+        `authenticated`: the transport has checked the caller its own way instead of by API key
+        (SIP: the source address and digest credentials, as carriers' trunks expect).
+        """
+        if not authenticated:
+            check_api_key(self.settings, authorization)
         engines = self.ready_engines()
         if self.sessions.full:
             self.refuse(transport)
         return engines
 
-    def admit(self, transport: str, key: str, authorization: str | None) -> Engines:
+    def admit(self, transport: str, key: str, authorization: str | None, *, authenticated: bool = False) -> Engines:
         """Reserve the slot `key` for a conversation that `serve` will run."""
-        engines = self.check(transport, authorization)
+        engines = self.check(transport, authorization, authenticated=authenticated)
         if not self.sessions.reserve(key):
             self.refuse(transport)
         return engines
