@@ -103,6 +103,16 @@ async def greeted(conversation) -> None:
     await until(lambda: not conversation.replying(), CALL_SECS, "the greeting never ended")
 
 
+async def call_and_be_greeted(agent, caller, since: int = 0):
+    """Dial the agent and wait until the call is up and its greeting spoken: (conversation, when it was up)."""
+    await caller.dial(agent_uri(agent))
+    await caller.wait_for_event("CALL_ESTABLISHED", CALL_SECS, since)
+    established_at = time.monotonic()
+    conversation = await the_call(agent)
+    await greeted(conversation)
+    return conversation, established_at
+
+
 async def transcribe_heard(engines, audio: np.ndarray, rate: int) -> str:
     return (await engines.stt.transcribe(audio.tobytes(), rate)).text
 
@@ -115,11 +125,7 @@ def to_phone_rate(pcm_16k: bytes, rate: int = PHONE_RATE) -> bytes:
 async def test_a_phone_call_greets_hears_the_question_answers_it_and_ends_with_the_hang_up(agent, engines, say, tmp_path):
     caller = await phone(tmp_path, "caller")
     try:
-        await caller.dial(agent_uri(agent))
-        await caller.wait_for_event("CALL_ESTABLISHED", CALL_SECS)
-        established_at = time.monotonic()
-        conversation = await the_call(agent)
-        await greeted(conversation)
+        conversation, established_at = await call_and_be_greeted(agent, caller)
 
         question = "What is the capital of France?"
         asked_at = time.monotonic() - established_at
@@ -152,10 +158,7 @@ async def test_a_phone_call_greets_hears_the_question_answers_it_and_ends_with_t
 async def test_keypad_digits_from_the_phone_reach_the_llm(agent, engines, tmp_path):
     caller = await phone(tmp_path, "caller")
     try:
-        await caller.dial(agent_uri(agent))
-        await caller.wait_for_event("CALL_ESTABLISHED", CALL_SECS)
-        conversation = await the_call(agent)
-        await greeted(conversation)
+        conversation, _ = await call_and_be_greeted(agent, caller)
         await caller.send_digits("42#")  # RFC 2833 events; "#" ends the entry at once
         prompts = engines.llm.of(conversation).prompts
         await until(
@@ -240,10 +243,7 @@ async def test_malformed_sip_and_a_call_given_up_at_once_leave_the_next_call_ser
         await until(lambda: not agent.state.sessions.active, CALL_SECS, "a call given up at once kept its slot")
 
         since = len(caller.events)
-        await caller.dial(agent_uri(agent))
-        await caller.wait_for_event("CALL_ESTABLISHED", CALL_SECS, since)
-        conversation = await the_call(agent)
-        await greeted(conversation)
+        conversation, _ = await call_and_be_greeted(agent, caller, since)
         await caller.send_digits("9#")
         prompts = engines.llm.of(conversation).prompts
         await until(lambda: any("DTMF: 9#" in m["content"] for prompt in prompts for m in prompt), CALL_SECS, "the call was not served")
@@ -262,11 +262,7 @@ def rms(audio: np.ndarray) -> float:
 async def test_talking_over_the_agent_on_a_wideband_phone_stops_it_and_the_new_question_is_answered(agent, engines, say, tmp_path):
     caller = await phone(tmp_path, "caller", codec="g722")  # G.722: 16 kHz both ways
     try:
-        await caller.dial(agent_uri(agent))
-        await caller.wait_for_event("CALL_ESTABLISHED", CALL_SECS)
-        established_at = time.monotonic()
-        conversation = await the_call(agent)
-        await greeted(conversation)
+        conversation, established_at = await call_and_be_greeted(agent, caller)
         await caller.speak(to_phone_rate(await say("Tell me a long story about a dragon and a knight."), caller.rate))
         llm = engines.llm.of(conversation)
         await until(lambda: llm.replies and conversation.playback.last_played_at > time.monotonic() - 0.2, CALL_SECS, "the story never started")
