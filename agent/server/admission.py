@@ -54,12 +54,12 @@ class Admission:
             self.refuse(transport)
         return engines
 
-    def refuse(self, transport: str) -> None:
-        """503 with Retry-After when every conversation slot is taken; running ones are untouched."""
+    def refuse(self, transport: str, reason: str | None = None) -> None:
+        """503 with Retry-After, by default because every conversation slot is taken; running ones are untouched."""
         self.metrics.sessions_refused.labels(transport=transport).inc()
         raise HTTPException(
             503,
-            f"all {self.sessions.capacity} conversations of this agent are in use",
+            reason or f"all {self.sessions.capacity} conversations of this agent are in use",
             headers={"Retry-After": str(RETRY_AFTER_SECS)},
         )
 

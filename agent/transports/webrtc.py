@@ -14,7 +14,7 @@ from pipecat.transports.smallwebrtc.request_handler import (
 from pipecat.transports.smallwebrtc.transport import SmallWebRTCTransport
 
 from agent.conversation import build_conversation
-from agent.server.admission import RETRY_AFTER_SECS, Admission
+from agent.server.admission import Admission
 from agent.server.auth import check_api_key
 
 SHUTDOWN_GRACE_SECS = 5
@@ -52,10 +52,7 @@ class PeerToPeer:
             # aiortc answers nearly anything (even "x"), and the peer connection then lingers.
             raise HTTPException(400, f"expected an SDP offer with an audio section, at most {MAX_SDP_CHARS} characters")
         if len(self._connecting) >= admission.sessions.capacity:
-            admission.metrics.sessions_refused.labels(transport="webrtc").inc()
-            raise HTTPException(
-                503, "too many peers are connecting at once", headers={"Retry-After": str(RETRY_AFTER_SECS)}
-            )
+            admission.refuse("webrtc", "too many peers are connecting at once")
 
         async def on_new_connection(connection: SmallWebRTCConnection) -> None:
             task = asyncio.create_task(self._converse(connection, authorization))
