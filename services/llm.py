@@ -5,7 +5,6 @@ import json
 import shutil
 import time
 import uuid
-import warnings
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from pathlib import Path
@@ -14,6 +13,7 @@ import torch
 from loguru import logger
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from services.int4_linear import pack_4bit_linear_layers
 from services.batched_generation import ContinuousBatchGenerator, resolve_dtype
 from services.spoken_reply import SpokenReply
 
@@ -75,7 +75,7 @@ class TransformersLLMEngine:
         cache_dir: Path,
         device: str,
         dtype: str,
-        cpu_threads: int | None,
+        cpu_threads: int,
         **engine_kwargs,
     ) -> "TransformersLLMEngine":
         """Load an HF hub id, a local HF directory, or a GGUF file (converted once, then cached)."""
@@ -85,22 +85,16 @@ class TransformersLLMEngine:
         if gguf_file:
             source = str(_hf_cache_of_gguf(Path(source) / gguf_file, cache_dir))
         started = time.perf_counter()
-        int8 = dtype == "int8"
-        if device == "cpu" and (cpu_threads or int8):
+        if device == "cpu":
             # The continuous-batching thread (started below) takes torch's thread count as it is now.
-            # One thread decodes int8 twice as fast as two, which contend with each other (and with
-            # the main thread's OpenMP pool); fp32 decodes about as fast either way.
-            torch.set_num_threads(cpu_threads or 1)
-        if int8 and device != "cpu":
-            raise ValueError(f"LLM dtype int8 runs on cpu only, not {device}; use auto or bfloat16")
-        torch_dtype = torch.float32 if int8 else resolve_dtype(dtype, device)
+            torch.set_num_threads(cpu_threads)
         tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype).to(device).eval()
-        if int8:
-            model = quantize_linear_layers_int8(model)
-        logger.info(
-            f"LLM {source} loaded on {device} as {'int8' if int8 else torch_dtype} in {time.perf_counter() - started:.1f}s"
-        )
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=resolve_dtype(dtype, device)).to(device).eval()
+        loaded_as = str(model.dtype)
+        if device == "cpu" and dtype == "auto":
+            packed, kept = pack_4bit_linear_layers(model)
+            loaded_as += f", {packed} of {packed + kept} Linear layers on the int4 kernel"
+        logger.info(f"LLM {source} loaded on {device} as {loaded_as} in {time.perf_counter() - started:.1f}s")
         return cls(model, tokenizer, name=Path(source).name or source, **engine_kwargs)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
@@ -182,26 +176,6 @@ class TransformersLLMEngine:
 
     def close(self) -> None:
         self.generator.close()
-
-
-def quantize_linear_layers_int8(model: torch.nn.Module) -> torch.nn.Module:
-    """Every Linear layer with int8 weights (one scale per output channel), its input quantized on the fly.
-
-    Decoding a small model on CPU is bound by reading its weights once per step: SmolLM2-135M
-    reads 540 MB of fp32 a token. In int8, in the continuous batch, on one thread, a token takes
-    ~35 ms instead of ~75 and the prefill half as long (2 busy cores). Per channel, not per tensor:
-    per tensor, the 135M model lost the thread of simple answers ("capital of Italy" → "Italy").
-    Even per channel it answers some simple questions wrong that fp32 gets right in the test
-    suite ("capital of Germany"), so it is opt-in (LLM_DTYPE=int8), not the CPU default.
-    torch's own dynamic quantization, deprecated in favour of torchao but present in torch 2.15;
-    tests/test_library_internals.py fails when it goes.
-    """
-    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
-
-    layers = {name: per_channel_dynamic_qconfig for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the deprecation notices, on every call
-        return quantize_dynamic(model, layers, dtype=torch.qint8)
 
 
 def _hf_cache_of_gguf(gguf_path: Path, cache_dir: Path) -> Path:

@@ -23,7 +23,7 @@ from frames.turn_taking.turn_models import SharedSileroVADAnalyzer, SharedSmartT
 from frames.turn_taking.turn_stop import SpeculativeTurnStopStrategy
 from harness.orpheus_models import build_random_snac
 from services.batched_generation import insert_logits_processors
-from services.llm import quantize_linear_layers_int8
+from services.int4_linear import GROUP, Int4Linear
 from services.orpheus.snac import PositionalNoise, SnacDecoder
 
 
@@ -146,20 +146,22 @@ async def test_a_transport_still_declares_and_fires_its_events_through_the_hooks
     assert heard == ["caller"]
 
 
-def test_torch_still_quantizes_linear_layers_to_int8_per_channel():
-    # services.llm.quantize_linear_layers_int8
-    config = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
+def test_torch_still_runs_4bit_groups_on_its_int4_cpu_kernel():
+    # services.int4_linear.Int4Linear: aten._convert_weight_to_int4pack_for_cpu and
+    # aten._weight_int4pack_mm_for_cpu, with (code - 8) * scale + zero per group of 32.
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
-    ids = torch.randint(0, 128, (1, 16))
+    codes = torch.randint(0, 16, (96, 128)).float()
+    codes[:, ::GROUP], codes[:, 1::GROUP] = 0, 15  # as GGUF Q4_1 quantizes: each group spans 0..15
+    scale = torch.rand(96, 128 // GROUP) * 0.01 + 0.001
+    low = torch.randn(96, 128 // GROUP) * 0.05
+    layer = torch.nn.Linear(128, 96, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_((codes.reshape(96, -1, GROUP) * scale[..., None] + low[..., None]).reshape(96, 128))
+    packed = Int4Linear.from_linear(layer)
+    assert packed is not None, "exact 4-bit groups were not recognised"
+    x = torch.randn(3, 128)
     with torch.inference_mode():
-        expected = model(ids).logits
-        quantized = quantize_linear_layers_int8(model)
-        got = quantized(ids).logits
-    linear = [m for m in quantized.modules() if type(m) is torch.nn.Linear]
-    assert not linear, f"{len(linear)} Linear layers left in fp32"
-    assert "qint8" in str(quantized.lm_head.weight().dtype)
-    assert torch.allclose(got, expected, atol=0.05), (got - expected).abs().max()
+        expected, got = layer(x), packed(x)
+    # bf16 activations, scales and zeros: within a percent of the layer's output scale.
+    assert (got - expected).abs().max() < 0.01 * expected.abs().max(), (got - expected).abs().max()
+    assert Int4Linear.from_linear(torch.nn.Linear(128, 96)) is None, "fp32 weights taken for 4-bit"
