@@ -5,10 +5,13 @@ from collections.abc import AsyncGenerator
 import numpy as np
 from loguru import logger
 from pipecat.frames.frames import (
+    BotStartedSpeakingFrame,
+    BotStoppedSpeakingFrame,
     ErrorFrame,
     Frame,
     InputAudioRawFrame,
     TranscriptionFrame,
+    VADUserStartedSpeakingFrame,
     VADUserStoppedSpeakingFrame,
 )
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessorSetup
@@ -32,7 +35,12 @@ MAX_SEGMENT_SECS = 30.0
 
 
 class WhisperSTTService(SegmentedSTTService):
-    """Sends each user speech segment to the process-wide WhisperEngine."""
+    """Sends each user speech segment to the process-wide WhisperEngine.
+
+    A segment heard while the agent was speaking is encoded on Whisper's full window even when
+    the engine encodes short: the barge-in policy stops the agent for words, and a short encoding
+    writes words for a hum ("Mhm." → "and may chant."); the full window rarely does (bench.stt_window).
+    """
 
     def __init__(self, engine: WhisperEngine, **kwargs):
         super().__init__(
@@ -43,6 +51,8 @@ class WhisperSTTService(SegmentedSTTService):
             **kwargs,
         )
         self._engine = engine
+        self._bot_speaking = False
+        self._segment_over_bot = False  # the agent spoke during the segment being heard
 
     async def setup(self, setup: FrameProcessorSetup):
         await super().setup(setup)
@@ -55,6 +65,15 @@ class WhisperSTTService(SegmentedSTTService):
     def can_generate_metrics(self) -> bool:
         return True
 
+    async def process_frame(self, frame: Frame, direction: FrameDirection):
+        if isinstance(frame, BotStartedSpeakingFrame):
+            self._bot_speaking = self._segment_over_bot = True
+        elif isinstance(frame, BotStoppedSpeakingFrame):
+            self._bot_speaking = False
+        elif isinstance(frame, VADUserStartedSpeakingFrame):
+            self._segment_over_bot = self._bot_speaking
+        await super().process_frame(frame, direction)
+
     async def process_audio_frame(self, frame: InputAudioRawFrame, direction: FrameDirection):
         await super().process_audio_frame(frame, direction)
         segment = segment_in_progress(self)
@@ -66,7 +85,7 @@ class WhisperSTTService(SegmentedSTTService):
     async def run_stt(self, audio: bytes) -> AsyncGenerator[Frame, None]:
         await self.start_processing_metrics()
         try:
-            transcript = await self._engine.transcribe(audio, self.sample_rate)
+            transcript = await self._engine.transcribe(audio, self.sample_rate, full_window=self._segment_over_bot)
         except AudioFormatError as e:
             logger.error(f"{self}: rejected audio segment: {e}")
             yield ErrorFrame(error=f"STT rejected audio: {e}")

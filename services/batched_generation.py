@@ -11,7 +11,11 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-PAGE_SIZE = 256  # tokens per KV-cache page
+# Tokens per KV-cache page. transformers shares whole pages between requests whose prompts begin
+# alike, so a conversation's next prompt reuses the history's cache instead of computing it again.
+# At 256 a 10-turn conversation's first word came 0.36 → 1.27 s after its question on 2 CPU
+# cores; at 32 it stays ~0.3 s.
+PAGE_SIZE = 32
 
 
 @dataclass

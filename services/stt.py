@@ -88,22 +88,23 @@ class WhisperEngine:
         self.transcriptions = 0  # lifetime count
         self.in_flight = 0  # submitted and not finished: queued on the pool or running
 
-    async def transcribe(self, pcm: bytes, sample_rate: int) -> Transcript:
-        """Transcribe mono PCM16 audio; resamples to 16 kHz when needed."""
+    async def transcribe(self, pcm: bytes, sample_rate: int, *, full_window: bool = False) -> Transcript:
+        """Transcribe mono PCM16 audio; resamples to 16 kHz when needed. `full_window` encodes
+        Whisper's whole 30 s window even when this engine encodes short."""
         audio = pcm16_to_float(pcm, sample_rate, WHISPER_SAMPLE_RATE)
         loop = asyncio.get_running_loop()
         self.in_flight += 1
         try:
-            return await loop.run_in_executor(self._pool, self._transcribe_sync, audio)
+            return await loop.run_in_executor(self._pool, self._transcribe_sync, audio, full_window)
         finally:
             self.in_flight -= 1
 
-    def _transcribe_sync(self, audio) -> Transcript:
+    def _transcribe_sync(self, audio: np.ndarray, full_window: bool) -> Transcript:
         started = time.perf_counter()
         duration = audio.size / WHISPER_SAMPLE_RATE
         if audio.size == 0:
             return Transcript("", self.language or "en", 0.0, 0.0, 0.0)
-        if self._tokenizer is not None and duration + SHORT_PAD_SECS <= WINDOW_SECS:
+        if self._tokenizer is not None and not full_window and duration + SHORT_PAD_SECS <= WINDOW_SECS:
             text = self._transcribe_short(audio)
             if text is not None:
                 return Transcript(
