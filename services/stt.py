@@ -84,8 +84,9 @@ class WhisperEngine:
             self._suppressed = list(get_suppressed_tokens(self._tokenizer, [-1]))
         else:
             self._tokenizer = None  # language detection, or short encoding off: faster-whisper's own path
-        self.fallbacks = 0  # short encodings that looked wrong and were redone on the full window
-        self.transcriptions = 0  # lifetime count
+        # Lifetime counts: transcriptions by how they were encoded, and short encodings that
+        # looked wrong and were redone on the full window.
+        self.short_encodes = self.full_window_encodes = self.fallbacks = 0
         self.in_flight = 0  # submitted and not finished: queued on the pool or running
 
     async def transcribe(self, pcm: bytes, sample_rate: int, *, full_window: bool = False) -> Transcript:
@@ -107,6 +108,7 @@ class WhisperEngine:
         if self._tokenizer is not None and not full_window and duration + SHORT_PAD_SECS <= WINDOW_SECS:
             text = self._transcribe_short(audio)
             if text is not None:
+                self.short_encodes += 1
                 return Transcript(
                     text=text,
                     language=self.language,
@@ -124,7 +126,7 @@ class WhisperEngine:
             vad_filter=False,  # Silero already cut the turn; a second VAD only adds latency
         )
         parts = [TranscriptSegment(s.start, s.end, s.text.strip()) for s in segments]
-        self.transcriptions += 1
+        self.full_window_encodes += 1
         return Transcript(
             text=" ".join(p.text for p in parts if p.text).strip(),
             language=info.language,

@@ -104,6 +104,8 @@ async def test_two_conversations_share_one_copy_of_each_model(engines, settings,
 async def test_interruption_stops_audio_cancels_llm_and_cuts_context(engines, settings, say):
     # A long reply, so the LLM is still generating when the user cuts in.
     long_reply = settings.model_copy(update={"llm_max_new_tokens": 400})
+    assert settings.stt_short_encode
+    tried_short_before = engines.stt.short_encodes + engines.stt.fallbacks
     async with LocalSession(engines, long_reply) as session:
         await session.silence(0.5)
         await session.speak(await say("Tell me a very long story about a dragon and a brave knight."))
@@ -111,8 +113,13 @@ async def test_interruption_stops_audio_cancels_llm_and_cuts_context(engines, se
         await wait_for_speech(session, after=asked)
         await asyncio.sleep(1.5)  # let it speak a little
         cancelled_before = engines.llm.stats.cancelled
+        full_window_before = engines.stt.full_window_encodes
         await session.speak(await say("Wait, stop. Tell me about cats instead."))
         await wait_for_speech(session, after=session.now())
+    # The question, asked while the bot was silent, was encoded at its own length; the cut-in, heard
+    # over the bot, on Whisper's full window (a short encoding writes words for a hum).
+    assert engines.stt.short_encodes + engines.stt.fallbacks > tried_short_before
+    assert engines.stt.full_window_encodes > full_window_before
 
     conversation = session.conversation
     cut_in = session.turn_log.user_turn_started_at[-1]
