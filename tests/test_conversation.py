@@ -3,8 +3,10 @@
 import asyncio
 
 import pytest
+import torch
 
 from harness.local_session import LocalSession
+from services.int4_linear import Int4Linear
 from services.llm import TransformersLLMEngine
 from services.stt import WhisperEngine
 from services.tts_piper import PiperEngine
@@ -99,6 +101,15 @@ async def test_two_conversations_share_one_copy_of_each_model(engines, settings,
     assert requests >= 4
     assert engines.llm.stats.started - started == requests
     assert user_messages(a) != user_messages(b)
+
+
+def test_the_bundled_llm_decodes_on_the_int4_kernel(engines, settings):
+    # The bundled GGUF is Q4_1: every layer but the output (tied to the 8-bit embeddings) is exactly
+    # 4-bit after transformers de-quantizes it. If that changes, decoding silently doubles in time.
+    assert settings.llm_dtype == "auto" and settings.llm_device == "cpu"
+    layers = [m for m in engines.llm.model.modules() if isinstance(m, (torch.nn.Linear, Int4Linear))]
+    assert [type(m) for m in layers].count(Int4Linear) == len(layers) - 1, "layers left in fp32"
+    assert type(engines.llm.model.lm_head) is torch.nn.Linear
 
 
 async def test_interruption_stops_audio_cancels_llm_and_cuts_context(engines, settings, say):
