@@ -62,8 +62,8 @@ class Settings(BaseSettings):
         "auto",
         description=(
             "auto (cpu: float32, with every Linear layer whose weights are exactly 4-bit groups, as in "
-            "a Q4_1 GGUF, on torch's int4 kernel: same answers, a token in less than half the "
-            "time; cuda: bfloat16), float32, bfloat16, float16."
+            "a Q4_1 GGUF, on torch's int4 kernel: the same weights, activations in bf16, a token in "
+            "less than half the time; cuda: bfloat16), float32, bfloat16, float16."
         ),
     )
     llm_cpu_threads: int = Field(
