@@ -176,7 +176,7 @@ def build_conversation(
             sink.observe_tts_sentence(audio_seconds, wall_seconds)
 
     guard = InputAudioGuard(on_drop=on_audio_dropped)
-    stt = WhisperSTTService(engines.stt)
+    stt = WhisperSTTService(engines.stt, short_encode=settings.stt_short_encode)
     llm = TransformersLLMService(
         engines.llm,
         system_prompt=settings.system_prompt,

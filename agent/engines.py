@@ -50,7 +50,7 @@ def load_engines(settings: Settings) -> Engines:
         os.environ.setdefault("HF_TOKEN", settings.hf_token.get_secret_value())
     stt = WhisperEngine(
         settings.stt_model,
-        **settings.of_stage("stt", "device", "compute_type", "workers", "language", "beam_size", "short_encode"),
+        **settings.of_stage("stt", "device", "compute_type", "workers", "language", "beam_size"),
     )
     llm = TransformersLLMEngine.load(
         settings.llm_model,

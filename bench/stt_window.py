@@ -48,10 +48,8 @@ async def main(args):
     settings = Settings(_env_file=None, greeting="", llm_max_new_tokens=4)
     engines = await load_engines_warm(settings)
     stt = settings.of_stage("stt", "device", "compute_type", "language", "beam_size")
-    engines_by_window = {
-        "30 s window": WhisperEngine(settings.stt_model, **stt, workers=1, short_encode=False),
-        "short": WhisperEngine(settings.stt_model, **stt, workers=1, short_encode=True),
-    }
+    engine = WhisperEngine(settings.stt_model, **stt, workers=1)
+    short_by_window = {"30 s window": False, "short": True}
     rng = np.random.default_rng(0)
 
     async def heard(phrase: str) -> dict:
@@ -60,8 +58,8 @@ async def main(args):
         audio += rng.normal(0.0, ROOM_NOISE_RMS, audio.size)
         pcm = np.clip(audio, -32768, 32767).astype(np.int16).tobytes()
         row = {"phrase": phrase}
-        for name, engine in engines_by_window.items():
-            transcript = await engine.transcribe(pcm, 16000)
+        for name, short in short_by_window.items():
+            transcript = await engine.transcribe(pcm, 16000, short=short)
             row[name] = {"heard": transcript.text, "wer": wer(phrase, transcript.text), "seconds": transcript.processing_seconds}
         return row
 
@@ -74,17 +72,17 @@ async def main(args):
     summary = {
         name: {
             "mean_wer": statistics.mean(r[name]["wer"] for r in rows),
-            "phrases_worse": sum(r[name]["wer"] > min(r[n]["wer"] for n in engines_by_window) for r in rows),
+            "phrases_worse": sum(r[name]["wer"] > min(r[n]["wer"] for n in short_by_window) for r in rows),
             "p50_seconds": statistics.median(r[name]["seconds"] for r in rows),
         }
-        for name in engines_by_window
+        for name in short_by_window
     }
-    summary["short"]["fallbacks"] = engines_by_window["short"].fallbacks
+    summary["short"]["fallbacks"] = engine.fallbacks
     print(f"\n{'window':<12} {'mean WER':>9} {'worse on':>9} {'p50 time':>9}")
     for name, s in summary.items():
         print(f"{name:<12} {s['mean_wer']:9.3f} {s['phrases_worse']:>6}/{len(rows)} {s['p50_seconds']:8.2f}s")
     for hum in hums:
-        print(f"{hum['phrase']!r} heard as " + ", ".join(f"{hum[n]['heard']!r} ({n})" for n in engines_by_window))
+        print(f"{hum['phrase']!r} heard as " + ", ".join(f"{hum[n]['heard']!r} ({n})" for n in short_by_window))
     write_json(
         args.out,
         {

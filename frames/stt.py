@@ -37,12 +37,13 @@ MAX_SEGMENT_SECS = 30.0
 class WhisperSTTService(SegmentedSTTService):
     """Sends each user speech segment to the process-wide WhisperEngine.
 
-    A segment heard while the agent was speaking is encoded on Whisper's full window even when
-    the engine encodes short: the barge-in policy stops the agent for words, and a short encoding
-    writes words for a hum ("Mhm." → "and may chant."); the full window rarely does (bench.stt_window).
+    With `short_encode` (STT_SHORT_ENCODE), a segment spoken into silence is encoded at its own
+    length; one heard while the agent was speaking always gets Whisper's full window: the barge-in
+    policy stops the agent for words, and a short encoding writes words for a hum ("Mhm." → "and
+    may chant."); the full window rarely does (bench.stt_window).
     """
 
-    def __init__(self, engine: WhisperEngine, **kwargs):
+    def __init__(self, engine: WhisperEngine, *, short_encode: bool, **kwargs):
         super().__init__(
             settings=STTSettings(model=engine.model_name, language=engine.language),
             # p99 of end-of-speech → transcript on 2 CPU cores with tiny.en; the turn-stop
@@ -51,6 +52,7 @@ class WhisperSTTService(SegmentedSTTService):
             **kwargs,
         )
         self._engine = engine
+        self._short_encode = short_encode
         self._bot_speaking = False
         self._segment_over_bot = False  # the agent spoke during the segment being heard
 
@@ -85,7 +87,9 @@ class WhisperSTTService(SegmentedSTTService):
     async def run_stt(self, audio: bytes) -> AsyncGenerator[Frame, None]:
         await self.start_processing_metrics()
         try:
-            transcript = await self._engine.transcribe(audio, self.sample_rate, full_window=self._segment_over_bot)
+            transcript = await self._engine.transcribe(
+                audio, self.sample_rate, short=self._short_encode and not self._segment_over_bot
+            )
         except AudioFormatError as e:
             logger.error(f"{self}: rejected audio segment: {e}")
             yield ErrorFrame(error=f"STT rejected audio: {e}")

@@ -57,7 +57,6 @@ class WhisperEngine:
         workers: int,
         language: str | None,
         beam_size: int,
-        short_encode: bool,
     ):
         self.model_name = model
         # A bundled model's directory is just ".../model"; /health shows a name, not a path.
@@ -77,35 +76,36 @@ class WhisperEngine:
             local_files_only=Path(model).is_dir(),  # a directory never needs the hub
         )
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="whisper")
-        if language is not None and short_encode:
+        if language is not None:  # short encodings decode with a fixed language
             self._tokenizer = Tokenizer(
                 self._model.hf_tokenizer, self._model.model.is_multilingual, task="transcribe", language=language
             )
             self._suppressed = list(get_suppressed_tokens(self._tokenizer, [-1]))
         else:
-            self._tokenizer = None  # language detection, or short encoding off: faster-whisper's own path
+            self._tokenizer = None  # language detection: faster-whisper's own path, always the full window
         # Lifetime counts: transcriptions by how they were encoded, and short encodings that
         # looked wrong and were redone on the full window.
         self.short_encodes = self.full_window_encodes = self.fallbacks = 0
         self.in_flight = 0  # submitted and not finished: queued on the pool or running
 
-    async def transcribe(self, pcm: bytes, sample_rate: int, *, full_window: bool = False) -> Transcript:
-        """Transcribe mono PCM16 audio; resamples to 16 kHz when needed. `full_window` encodes
-        Whisper's whole 30 s window even when this engine encodes short."""
+    async def transcribe(self, pcm: bytes, sample_rate: int, *, short: bool = False) -> Transcript:
+        """Transcribe mono PCM16 audio; resamples to 16 kHz when needed. `short`: encode it at its
+        own length rather than in Whisper's padded 30 s window (see `_transcribe_short`; needs a
+        fixed language, else ignored)."""
         audio = pcm16_to_float(pcm, sample_rate, WHISPER_SAMPLE_RATE)
         loop = asyncio.get_running_loop()
         self.in_flight += 1
         try:
-            return await loop.run_in_executor(self._pool, self._transcribe_sync, audio, full_window)
+            return await loop.run_in_executor(self._pool, self._transcribe_sync, audio, short)
         finally:
             self.in_flight -= 1
 
-    def _transcribe_sync(self, audio: np.ndarray, full_window: bool) -> Transcript:
+    def _transcribe_sync(self, audio: np.ndarray, short: bool) -> Transcript:
         started = time.perf_counter()
         duration = audio.size / WHISPER_SAMPLE_RATE
         if audio.size == 0:
             return Transcript("", self.language or "en", 0.0, 0.0, 0.0)
-        if self._tokenizer is not None and not full_window and duration + SHORT_PAD_SECS <= WINDOW_SECS:
+        if short and self._tokenizer is not None and duration + SHORT_PAD_SECS <= WINDOW_SECS:
             text = self._transcribe_short(audio)
             if text is not None:
                 self.short_encodes += 1

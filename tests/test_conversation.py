@@ -114,8 +114,8 @@ def test_the_bundled_llm_decodes_on_the_int4_kernel(engines, settings):
 
 async def test_interruption_stops_audio_cancels_llm_and_cuts_context(engines, settings, say):
     # A long reply, so the LLM is still generating when the user cuts in.
-    long_reply = settings.model_copy(update={"llm_max_new_tokens": 400})
-    assert settings.stt_short_encode
+    # With the short STT encoding on, to show which segments it is used for.
+    long_reply = settings.model_copy(update={"llm_max_new_tokens": 400, "stt_short_encode": True})
     tried_short_before = engines.stt.short_encodes + engines.stt.fallbacks
     async with LocalSession(engines, long_reply) as session:
         await session.silence(0.5)

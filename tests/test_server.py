@@ -123,7 +123,6 @@ def ears(settings):
         workers=1,
         language=settings.stt_language,
         beam_size=settings.stt_beam_size,
-        short_encode=settings.stt_short_encode,
     )
     yield ears
     ears.close()
