@@ -21,6 +21,35 @@ from frames.pipecat_internals import turn_stop_state
 TRANSCRIPT_WAIT_SECS = 2.0
 
 
+class TranscriptsOwed:
+    """Which of a turn's speech segments still owe a transcript, in segment order.
+
+    A segment Whisper hears no words in never gets a transcript, so one is waited for at most
+    TRANSCRIPT_WAIT_SECS. A transcript given up on can still come, late (a full-window encoding
+    on a loaded machine took 2.8 s): it belongs to the oldest segment given up on, not to the next
+    one, which would otherwise be taken as transcribed and the turn end without its words.
+    """
+
+    def __init__(self):
+        self._stopped_at: list[float] = []  # VAD-stop times of segments whose transcript is awaited
+        self._given_up = 0  # segments waited for in vain: the next transcripts are theirs
+
+    def segment_stopped(self, now: float) -> None:
+        self._stopped_at.append(now)
+
+    def transcript_arrived(self) -> None:
+        if self._given_up:
+            self._given_up -= 1
+        else:
+            self._stopped_at = self._stopped_at[1:]
+
+    def awaiting(self, now: float) -> bool:
+        expired = [t for t in self._stopped_at if now - t >= TRANSCRIPT_WAIT_SECS]
+        self._given_up += len(expired)
+        self._stopped_at = self._stopped_at[len(expired) :]
+        return bool(self._stopped_at)
+
+
 class SpeculativeTurnStopStrategy(TurnAnalyzerUserTurnStopStrategy):
     """Pipecat's smart-turn stop strategy, answering a turn speculatively while smart-turn waits.
 
@@ -52,7 +81,7 @@ class SpeculativeTurnStopStrategy(TurnAnalyzerUserTurnStopStrategy):
         # This turn's transcripts, joined as the user aggregator joins them into the user message
         # (the base class keeps only the latest one).
         self._parts: list[TextPartForConcatenation] = []
-        self._untranscribed: list[float] = []  # VAD-stop times of segments still owed a transcript
+        self._owed = TranscriptsOwed()
         self._stop_held = False  # the turn was complete but a transcript was still on its way
         self._speculation: UserTurnSpeculation | None = None
         self._silence_secs = kwargs["turn_analyzer"].params.stop_secs
@@ -66,10 +95,10 @@ class SpeculativeTurnStopStrategy(TurnAnalyzerUserTurnStopStrategy):
             # Before the base class reacts: the reply answers less than the user is saying.
             await self._withdraw("the user spoke again")
         elif isinstance(frame, VADUserStoppedSpeakingFrame):
-            self._untranscribed.append(time.monotonic())
+            self._owed.segment_stopped(time.monotonic())
         elif isinstance(frame, TranscriptionFrame) and frame.text.strip():
             self._parts.append(TextPartForConcatenation(frame.text, frame.includes_inter_frame_spaces))
-            self._untranscribed = self._untranscribed[1:]  # transcripts come in segment order
+            self._owed.transcript_arrived()
         result = await super().process_frame(frame)
         if self._stop_held and not self._awaiting_transcript():  # it never came
             await self._maybe_trigger_user_turn_stopped()
@@ -131,13 +160,11 @@ class SpeculativeTurnStopStrategy(TurnAnalyzerUserTurnStopStrategy):
         # Runs at both turn boundaries; a speculation still open here (stop watchdog,
         # interruption, session end) would otherwise be held by the gate for good.
         await self._withdraw("the turn ended unresolved")
-        self._parts, self._untranscribed, self._stop_held = [], [], False
+        self._parts, self._owed, self._stop_held = [], TranscriptsOwed(), False
         await super()._reset()
 
     def _awaiting_transcript(self) -> bool:
-        now = time.monotonic()
-        self._untranscribed = [t for t in self._untranscribed if now - t < TRANSCRIPT_WAIT_SECS]
-        return bool(self._untranscribed)
+        return self._owed.awaiting(time.monotonic())
 
     async def cleanup(self):
         await self._stop_silence_timer()
