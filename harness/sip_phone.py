@@ -55,8 +55,9 @@ class BaresipPhone:
         self.directory = directory
         self.address = address
         codec_module, self.rate = CODECS[codec]
-        self.sip_port = free_port()
-        self.ctrl_port = free_port()
+        self._codec_module = codec_module
+        self._auth = f";auth_user={username};auth_pass={password}" if username else ""
+        self.sip_port = self.ctrl_port = 0  # chosen at start
         self.events: list[dict] = []
         self._responses: asyncio.Queue = asyncio.Queue()
         self._process: subprocess.Popen | None = None
@@ -64,15 +65,20 @@ class BaresipPhone:
         self._writer: asyncio.StreamWriter | None = None
         self._silence = directory / "silence.wav"
         write_microphone(self._silence, b"", self.rate)
-        auth = f";auth_user={username};auth_pass={password}" if username else ""
-        (directory / "accounts").write_text(f"<sip:phone@{address}:{self.sip_port}>;regint=0{auth};answermode=manual\n")
+
+    def _configure(self) -> None:
+        """Free ports, and baresip's configuration with them. baresip also binds TLS on the SIP
+        port + 1, which nothing reserves: another process may hold it (start retries)."""
+        self.sip_port, self.ctrl_port = free_port(), free_port()
+        address, directory = self.address, self.directory
+        (directory / "accounts").write_text(f"<sip:phone@{address}:{self.sip_port}>;regint=0{self._auth};answermode=manual\n")
         (directory / "contacts").write_text("")
         (directory / "config").write_text(
             "\n".join(
                 [
                     f"sip_listen {address}:{self.sip_port}",
                     "module_path /usr/lib/baresip/modules",
-                    f"module {codec_module}",
+                    f"module {self._codec_module}",
                     *[f"module {m}" for m in MODULES],
                     f"audio_source aufile,{self._silence}",
                     # A speaker that plays nowhere: the call's audio is decoded (and dumped by sndfile).
@@ -89,21 +95,27 @@ class BaresipPhone:
             )
         )
 
-    async def start(self) -> None:
-        log = open(self.directory / "baresip.log", "wb")
-        self._process = subprocess.Popen(
-            ["baresip", "-f", str(self.directory)], stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT
-        )
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                reader, self._writer = await asyncio.open_connection("127.0.0.1", self.ctrl_port)
-                break
-            except OSError:
-                if self._process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"baresip did not start: {self.log()[-2000:]}")
-                await asyncio.sleep(0.1)
-        self._reader_task = asyncio.create_task(self._read(reader))
+    async def start(self, attempts: int = 5) -> None:
+        for attempt in range(attempts):
+            self._configure()
+            log = open(self.directory / "baresip.log", "wb")
+            self._process = subprocess.Popen(
+                ["baresip", "-f", str(self.directory)], stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT
+            )
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    reader, self._writer = await asyncio.open_connection("127.0.0.1", self.ctrl_port)
+                    self._reader_task = asyncio.create_task(self._read(reader))
+                    return
+                except OSError:
+                    if self._process.poll() is not None or time.monotonic() > deadline:
+                        break
+                    await asyncio.sleep(0.1)
+            if self._process.poll() is None:
+                self._process.kill()
+            if "Address already in use" not in self.log() or attempt == attempts - 1:
+                raise RuntimeError(f"baresip did not start: {self.log()[-2000:]}")
 
     def log(self) -> str:
         return (self.directory / "baresip.log").read_text(errors="replace")
