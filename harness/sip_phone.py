@@ -98,10 +98,10 @@ class BaresipPhone:
     async def start(self, attempts: int = 5) -> None:
         for attempt in range(attempts):
             self._configure()
-            log = open(self.directory / "baresip.log", "wb")
-            self._process = subprocess.Popen(
-                ["baresip", "-f", str(self.directory)], stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT
-            )
+            with open(self.directory / "baresip.log", "wb") as log:  # baresip keeps its own copy
+                self._process = subprocess.Popen(
+                    ["baresip", "-f", str(self.directory)], stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT
+                )
             deadline = time.monotonic() + 30
             while True:
                 try:

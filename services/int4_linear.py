@@ -7,12 +7,12 @@ LEVELS = 15  # a 4-bit code is 0..15
 
 
 class Int4Linear(torch.nn.Module):
-    """A Linear layer holding 4-bit codes (one scale and zero per 32 inputs), same outputs in a third of the time.
+    """A Linear layer holding 4-bit codes (one scale and zero per 32 inputs): the same weights, read in under half the time.
 
     Decoding a small LLM on CPU is bound by reading its weights once per token: SmolLM2-135M reads
     540 MB of fp32 per token (~85 ms here). Its bundled GGUF is Q4_1, so transformers' de-quantized
     fp32 weights are exactly `scale * code + low` in groups of 32: packing them back loses nothing
-    but the rounding of scale and zero to bf16, and a token reads ~80 MB (~36 ms).
+    but the rounding of scale and zero to bf16, and a token reads ~80 MB (~40 ms in the batch).
 
     The kernel is torch's own (tinygemm, the one gpt-fast and torchao call), reached through private
     aten ops checked against torch 2.15; tests/test_library_internals.py fails when they change.

@@ -13,8 +13,8 @@ import torch
 from loguru import logger
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from services.int4_linear import pack_4bit_linear_layers
 from services.batched_generation import ContinuousBatchGenerator, resolve_dtype
+from services.int4_linear import pack_4bit_linear_layers
 from services.spoken_reply import SpokenReply
 
 SAMPLING_TOP_P = 0.9  # nucleus sampling, when LLM_TEMPERATURE > 0
