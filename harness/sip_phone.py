@@ -33,11 +33,24 @@ def read_wav(path: Path) -> tuple[bytes, int]:
         return f.readframes(f.getnframes()), f.getframerate()
 
 
+def utterance_onsets(audio: np.ndarray, rate: int, gap_secs: float = 1.0, frame_secs: float = 0.02) -> list[float]:
+    """Where each utterance in `audio` starts (s): sound after at least `gap_secs` of digital
+    silence. The phone's microphone is a WAV of speech padded with exact zeros, so any sound is speech."""
+    frame = int(rate * frame_secs)
+    loud = np.abs(audio[: len(audio) // frame * frame].reshape(-1, frame)).max(axis=1) > 0
+    onsets, quiet = [], gap_secs / frame_secs
+    for i, sound in enumerate(loud):
+        if sound and quiet >= gap_secs / frame_secs:
+            onsets.append(i * frame_secs)
+        quiet = 0 if sound else quiet + 1
+    return onsets
+
+
 class BaresipPhone:
     """baresip configured in a directory of its own (`baresip -f DIR`), driven over ctrl_tcp.
 
     Its microphone is `aufile` (a WAV file, switched during the call with `ausrc`); `sndfile`
-    writes what it hears to `DIR/dump-*-dec.wav`. Every event baresip reports is kept in
+    writes what it hears to `DIR/dump-*-dec.wav` and what it says to `DIR/dump-*-enc.wav`. Every event baresip reports is kept in
     `events` (`{"type": "CALL_ESTABLISHED", "param": ...}`), in order.
     """
 
@@ -171,8 +184,25 @@ class BaresipPhone:
         raise AssertionError(f"baresip never reported {kind}; events: {[e.get('type') for e in self.events]}")
 
     def heard(self) -> tuple[np.ndarray, int]:
-        """Everything the phone has heard on its calls so far (sndfile's decoded-audio dumps)."""
-        dumps = sorted(self.directory.glob("dump-*-dec.wav"))
+        """Everything the phone has heard on its last call (sndfile's decoded-audio dump)."""
+        return self._dump("dec")
+
+    def said(self) -> tuple[np.ndarray, int]:
+        """Everything the phone has said on its last call (sndfile's dump of what it encoded)."""
+        return self._dump("enc")
+
+    def said_at(self) -> list[float]:
+        """When each thing the phone said began, in seconds on the timeline of `heard()`.
+
+        Both dumps start with the call's audio and run on baresip's audio clocks, so a moment in
+        one is the same moment in the other (to a frame or two). The test's own clock is not: on a
+        busy machine the CALL_ESTABLISHED event reached a test 2 s after the dumps had started.
+        """
+        audio, rate = self.said()
+        return utterance_onsets(audio, rate)
+
+    def _dump(self, direction: str) -> tuple[np.ndarray, int]:
+        dumps = sorted(self.directory.glob(f"dump-*-{direction}.wav"))
         if not dumps:
             return np.zeros(0, dtype=np.int16), self.rate
         pcm, rate = read_wav(dumps[-1])
