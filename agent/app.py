@@ -59,6 +59,7 @@ def create_app(settings: Settings, engines: Engines | None = None) -> FastAPI:
         except ModuleNotFoundError as e:
             raise RuntimeError(f"SIP_PORT is set but the `sip` extra is not installed (pip install -e '.[sip]'): {e}") from e
         app.state.sip = SipEndpoint(admission)
+        app.state.sip.add_routes(app)
 
     app.add_middleware(TrustedHostMiddleware, allowed_hosts=settings.host_names)
     app.add_api_route("/health", health, methods=["GET"])

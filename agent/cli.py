@@ -87,7 +87,44 @@ def build_parser() -> argparse.ArgumentParser:
     client.add_argument("--input", type=Path, action="append", help="a WAV file to say (repeat for more turns)")
     client.add_argument("--output", type=Path, help="WAV file for the agent's replies (24 kHz)")
     client.add_argument("--api-key", help="the agent's API_KEY, when it has one (default: $API_KEY)")
+
+    sip = command(
+        "sip", lambda args: sip.print_help(), "phone calls the agent makes",
+        "Ask a running agent (voice-agent serve with SIP_PORT set) to act on the phone.",
+    )  # fmt: skip
+    sip_commands = sip.add_subparsers(dest="sip_command", metavar="SIP_COMMAND")
+    call = sip_commands.add_parser(
+        "call", help="the agent calls a number or SIP URI and speaks first",
+        description="Ask the running agent to call NUMBER_OR_URI: a number is dialled through SIP_TRUNK, a "
+        "sip: URI directly. The agent greets whoever answers and converses as on any call.",
+    )  # fmt: skip
+    call.add_argument("target", metavar="NUMBER_OR_URI", help="e.g. +4930123456 or sip:alice@pbx.example.com")
+    call.add_argument("--url", help="the running agent (default: http://127.0.0.1:$PORT)")
+    call.add_argument("--api-key", help="the agent's API_KEY, when it has one (default: $API_KEY)")
+    call.set_defaults(run=sip_call_command)
     return parser
+
+
+def sip_call_command(args: argparse.Namespace) -> None:
+    import json
+    import os
+    import urllib.error
+    import urllib.request
+
+    url = args.url or f"http://127.0.0.1:{os.environ.get('PORT', '7860')}"
+    api_key = args.api_key or os.environ.get("API_KEY")
+    request = urllib.request.Request(
+        f"{url.rstrip('/')}/api/sip/calls",
+        data=json.dumps({"to": args.target}).encode(),
+        headers={"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            print(f"calling {args.target}: call {json.load(response)['call']}")
+    except urllib.error.HTTPError as e:
+        sys.exit(f"the agent refused the call ({e.code}): {e.read().decode(errors='replace')}")
+    except urllib.error.URLError as e:
+        sys.exit(f"no agent answers at {url}: {e.reason}")
 
 
 def client_command(args: argparse.Namespace) -> None:

@@ -236,6 +236,13 @@ class Settings(BaseSettings):
     )
     sip_username: str | None = Field(None, description="With SIP_PASSWORD: callers must also pass digest authentication.")
     sip_password: SecretStr | None = Field(None, description="Digest password callers must know; never logged.")
+    sip_trunk: str | None = Field(
+        None,
+        description="Where the agent's own calls go (`voice-agent sip call`): the carrier trunk's URI, e.g. "
+        "sip:trunk.example.com:5060;transport=tcp; a number N is dialled as sip:N@ that host.",
+    )
+    sip_trunk_username: str | None = Field(None, description="Digest user name the trunk asks of the agent's calls.")
+    sip_trunk_password: SecretStr | None = Field(None, description="Digest password for the trunk; never logged.")
     sip_echo_cancellation: bool = Field(
         True, description="Cancel the agent's echo on phone calls (a handset or line echoes), whatever ECHO_CANCELLATION says."
     )

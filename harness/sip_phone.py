@@ -62,6 +62,7 @@ class BaresipPhone:
         username: str | None = None,
         password: str | None = None,
         codec: str = "g711",
+        answer: str = "manual",
     ):
         if shutil.which("baresip") is None:
             raise FileNotFoundError("baresip is not installed: run scripts/install-sip.sh")
@@ -70,6 +71,7 @@ class BaresipPhone:
         codec_module, self.rate = CODECS[codec]
         self._codec_module = codec_module
         self._auth = f";auth_user={username};auth_pass={password}" if username else ""
+        self._answer_mode = answer  # "auto": calls to the phone are answered at once
         self.sip_port = self.ctrl_port = 0  # chosen at start
         self.events: list[dict] = []
         self._responses: asyncio.Queue = asyncio.Queue()
@@ -84,7 +86,7 @@ class BaresipPhone:
         port + 1, which nothing reserves: another process may hold it (start retries)."""
         self.sip_port, self.ctrl_port = free_port(), free_port()
         address, directory = self.address, self.directory
-        (directory / "accounts").write_text(f"<sip:phone@{address}:{self.sip_port}>;regint=0{self._auth};answermode=manual\n")
+        (directory / "accounts").write_text(f"<sip:phone@{address}:{self.sip_port}>;regint=0{self._auth};answermode={self._answer_mode}\n")
         (directory / "contacts").write_text("")
         (directory / "config").write_text(
             "\n".join(
@@ -150,6 +152,11 @@ class BaresipPhone:
         self._writer.write(f"{len(body)}:".encode() + body + b",")
         await self._writer.drain()
         return await asyncio.wait_for(self._responses.get(), 30)
+
+    @property
+    def uri(self) -> str:
+        """Where the phone can be called."""
+        return f"sip:phone@{self.address}:{self.sip_port}"
 
     async def dial(self, uri: str) -> None:
         await self.command("dial", uri)

@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import soxr
@@ -17,7 +18,7 @@ from pydantic import SecretStr
 
 from agent.app import create_app
 from agent.livekit_dev_server import free_port
-from agent.transports.sip import DIGEST_REALM, DigestChallenge
+from agent.transports.sip import DIGEST_REALM, DigestChallenge, dial_uri
 from harness.serving import serving
 from harness.sip_phone import PHONE_RATE, BaresipPhone
 from harness.speech import normalize, wer
@@ -168,6 +169,65 @@ async def test_keypad_digits_from_the_phone_reach_the_llm(agent, engines, tmp_pa
         await until(lambda: not agent.state.sessions.active, CALL_SECS, "the conversation outlived the call")
     finally:
         await caller.stop()
+
+
+def test_numbers_are_dialled_through_the_trunk_and_uris_as_given():
+    trunk = "sip:trunk.example.com:5060;transport=tcp"
+    assert dial_uri("+4930123456", trunk) == "sip:+4930123456@trunk.example.com:5060;transport=tcp"
+    assert dial_uri("sip:alice@pbx.example.com", trunk) == "sip:alice@pbx.example.com"
+    for bad in ("alice", "+49 30 123", "sip:<evil>", "tel:123"):
+        with pytest.raises(ValueError):
+            dial_uri(bad, trunk)
+    with pytest.raises(ValueError, match="SIP_TRUNK"):
+        dial_uri("+4930123456", None)
+
+
+async def place_call(agent, to: str) -> httpx.Response:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{agent.state.settings.port}") as http:
+        return await http.post("/api/sip/calls", json={"to": to})
+
+
+async def test_the_agent_calls_a_phone_speaks_first_and_answers_its_question(agent, engines, say, tmp_path):
+    callee = await phone(tmp_path, "callee", answer="auto")
+    try:
+        assert (await place_call(agent, "not a number")).status_code == 400
+        response = await place_call(agent, callee.uri)
+        assert response.status_code == 202, response.text
+        await callee.wait_for_event("CALL_ESTABLISHED", CALL_SECS)
+        conversation = await the_call(agent)
+        await greeted(conversation)  # the agent speaks first
+
+        question = "What is the capital of France?"
+        speech_secs = await callee.speak(to_phone_rate(await say(question)))
+        llm = engines.llm.of(conversation)
+        await until(lambda: llm.replies, CALL_SECS, "the question never reached the LLM")
+        await asyncio.sleep(speech_secs)
+        await until(lambda: len(assistant_said(conversation)) >= 2 and not conversation.replying(), CALL_SECS, "the reply never ended")
+        await callee.hang_up()
+        await until(lambda: not agent.state.sessions.active, CALL_SECS, "the conversation outlived the call")
+    finally:
+        await callee.stop()
+
+    assert wer(question, llm.prompts[0][-1]["content"]) <= 0.35, llm.prompts[0]
+    audio, rate = callee.heard()
+    cut = int(callee.said_at()[-1] * rate)
+    assert wer(GREETING, await transcribe_heard(engines, audio[:cut], rate)) <= 0.4
+    reply = assistant_said(conversation)[-1]
+    reply_heard = await transcribe_heard(engines, audio[cut:], rate)
+    assert wer(reply, reply_heard) <= 0.4, (reply, reply_heard)
+
+
+async def test_a_call_the_agent_places_that_is_declined_frees_its_slot(agent, tmp_path):
+    callee = await phone(tmp_path, "callee")  # answers by hand: it rings
+    try:
+        assert (await place_call(agent, callee.uri)).status_code == 202
+        await callee.wait_for_event("CALL_INCOMING", CALL_SECS)
+        assert agent.state.sessions.active == 1
+        await callee.hang_up()  # declined while ringing
+        await until(lambda: not agent.state.sessions.active, CALL_SECS, "a declined call kept its slot")
+        await until(lambda: agent.state.sip.calls_held == 0, CALL_SECS, "pjsua2 still holds the declined call")
+    finally:
+        await callee.stop()
 
 
 async def refused(caller: BaresipPhone, uri: str) -> str:

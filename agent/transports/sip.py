@@ -16,8 +16,10 @@ from collections.abc import Callable
 import numpy as np
 import pjsua2 as pj
 import soxr
-from fastapi import HTTPException
+from fastapi import FastAPI, Header, HTTPException, Request
+from fastapi.responses import JSONResponse
 from loguru import logger
+from pydantic import BaseModel, Field
 from pipecat.frames.frames import (
     Frame,
     InputAudioRawFrame,
@@ -34,6 +36,7 @@ from pipecat.transports.base_transport import BaseTransport, TransportParams
 
 from agent.conversation import build_conversation
 from agent.server.admission import RETRY_AFTER_SECS, Admission
+from agent.server.auth import check_api_key
 from services.audio import INPUT_SAMPLE_RATE, OUTPUT_SAMPLE_RATE
 
 # pjmedia's conference bridge runs every call at one clock rate and converts each codec to it on
@@ -57,7 +60,12 @@ DIGEST_REALM = "voice-agent"
 NONCE_TTL_SECS = 60
 MAX_NONCES = 1024
 SHUTDOWN_GRACE_SECS = 5
-ACK_TIMEOUT_SECS = 32.0  # RFC 3261 timer H (64 × T1): how long an answered call may wait for its ACK
+# RFC 3261 timer H (64 × T1): how long an answered call may wait for its ACK, and how long a call
+# the agent places may ring unanswered.
+CONFIRM_TIMEOUT_SECS = 32.0
+# What may be dialled: a number (through SIP_TRUNK), or a sip:/sips: URI with no spaces or angle brackets.
+DIALLED_NUMBER = re.compile(r"^\+?[0-9*#]{1,32}$")
+SIP_URI = re.compile(r"^sips?:[^\s<>\"]+$")
 DIGEST_FIELD = re.compile(r'(\w+)=(?:"([^"]*)"|([^\s,]+))')  # key="quoted" or key=bare
 
 
@@ -90,6 +98,25 @@ def source_allowed(address: str, networks) -> bool:
     except ValueError:
         return False
     return any(host in network for network in networks)
+
+
+class PlacedCall(BaseModel):
+    to: str = Field(max_length=256, description="a phone number (dialled through SIP_TRUNK) or a sip: URI")
+
+
+def dial_uri(target: str, trunk: str | None) -> str:
+    """The URI to call for `target`: a sip: URI as given, a number at the trunk's host
+    ("+4930123" with SIP_TRUNK sip:trunk.example.com;transport=tcp → sip:+4930123@trunk.example.com;transport=tcp)."""
+    target = target.strip()
+    if SIP_URI.match(target):
+        return target
+    if not DIALLED_NUMBER.match(target):
+        raise ValueError(f"not a phone number or sip: URI: {target!r}")
+    if trunk is None or not SIP_URI.match(trunk):
+        raise ValueError("dialling a number needs SIP_TRUNK (sip:HOST[:PORT][;transport=...])")
+    scheme, _, rest = trunk.partition(":")
+    host = rest.split("@")[-1]  # a trunk given as sip:user@host keeps its host only
+    return f"{scheme}:{target}@{host}"
 
 
 class DigestChallenge:
@@ -356,17 +383,33 @@ class BridgePort(pj.AudioMediaPort):
 
 
 class AgentCall(pj.Call):
-    def __init__(self, endpoint: "SipEndpoint", account: pj.Account, call_id: int, audio: CallAudio):
+    """One call, answered (`outbound` False) or placed by the agent."""
+
+    def __init__(self, endpoint: "SipEndpoint", account: pj.Account, call_id: int, audio: CallAudio, *, outbound: bool = False):
         super().__init__(account, call_id)
         self.endpoint = endpoint
         self.audio = audio
+        self.outbound = outbound
         self.port: BridgePort | None = None
+        self._announced = False
 
     @pjsip_callback
     def onCallState(self, prm):
         info = self.getInfo()
         if info.state == pj.PJSIP_INV_STATE_DISCONNECTED:
             self.endpoint.call_ended(self, info.lastStatusCode)
+        elif info.state == pj.PJSIP_INV_STATE_CONFIRMED:
+            self._announce()
+
+    def _announce(self) -> None:
+        """Tell the conversation the caller can hear it (it greets): once media flows, and for a
+        call the agent placed, once it is answered too (early media is the callee's ringback)."""
+        if self._announced or self.port is None:
+            return
+        if self.outbound and self.getInfo().state != pj.PJSIP_INV_STATE_CONFIRMED:
+            return
+        self._announced = True
+        self.audio.post("connected")
 
     @pjsip_callback
     def onCallMediaState(self, prm):
@@ -379,8 +422,7 @@ class AgentCall(pj.Call):
             self.port = self.endpoint.bridge_port(self.audio)
         media.startTransmit(self.port)
         self.port.startTransmit(media)
-        if first:
-            self.audio.post("connected")
+        self._announce()
 
     @pjsip_callback
     def onDtmfDigit(self, prm):
@@ -434,6 +476,7 @@ class SipEndpoint:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._account: AgentAccount | None = None  # the events thread's
         self.listening = threading.Event()
 
     # --- the event loop's side
@@ -487,11 +530,28 @@ class SipEndpoint:
             logger.exception(f"SIP: call {audio.name} could not be admitted")
             self._run_on_events_thread(lambda: self._answer(audio.name, 500, "server error"))
             return
-        task = asyncio.create_task(self._converse(audio, engines))
+        self._start_conversation(audio, engines, lambda: self._answer(audio.name, 200))
+
+    def place_call(self, target: str) -> str:
+        """Call `target` (a number, through SIP_TRUNK, or a sip: URI) and converse once it is
+        answered; the agent speaks first. Returns the call's name at once; raises ValueError for
+        a target that cannot be dialled and HTTPException (503) when every slot is taken."""
+        uri = dial_uri(target, self._settings.sip_trunk)
+        audio = CallAudio(self._loop, f"sip-out-{secrets.token_hex(4)}")
+        engines = self._admission.admit("sip", audio.name, None, authenticated=True)
+        logger.info(f"SIP: placing call {audio.name}")  # not the number: it identifies a person
+        self._start_conversation(audio, engines, lambda: self._dial(audio, uri))
+        return audio.name
+
+    def _start_conversation(self, audio: CallAudio, engines, connect: Callable[[], None]) -> None:
+        task = asyncio.create_task(self._converse(audio, engines, connect))
         self._conversations.add(task)
         task.add_done_callback(self._conversations.discard)
 
-    async def _converse(self, audio: CallAudio, engines) -> None:
+    async def _converse(self, audio: CallAudio, engines, connect: Callable[[], None]) -> None:
+        """Run the conversation of a call whose slot is reserved; `connect` (on the events thread)
+        answers or places it. The call ends with the conversation, however that ends."""
+
         def build():
             conversation = build_conversation(
                 lambda params: SipTransport(audio, TransportParams(**params)),
@@ -502,25 +562,44 @@ class SipEndpoint:
             conversation.follow_client(audio.name)  # greets once media flows, ends when the caller hangs up
             return conversation
 
-        self._run_on_events_thread(lambda: self._answer(audio.name, 200))
-        unacknowledged = self._loop.call_later(
-            ACK_TIMEOUT_SECS, self._run_on_events_thread, lambda: self._hang_up_unless_confirmed(audio.name)
+        self._run_on_events_thread(connect)
+        unconfirmed = self._loop.call_later(
+            CONFIRM_TIMEOUT_SECS, self._run_on_events_thread, lambda: self._hang_up_unless_confirmed(audio.name)
         )
         try:
             await self._admission.serve(audio.name, build)
         except Exception:
             logger.exception(f"call {audio.name}: the conversation could not start")
         finally:
-            unacknowledged.cancel()
-            # However the conversation ended (idle, an error, shutdown): the call ends with it.
+            unconfirmed.cancel()
             self._run_on_events_thread(lambda: self._hang_up(audio.name))
+
+    def add_routes(self, app: FastAPI) -> None:
+        """POST /api/sip/calls {"to": NUMBER_OR_URI}: the agent places a call (202, {"call": name}).
+
+        Placing calls costs money and reaches people, so it needs the API key; with none set,
+        only a client on this machine may (the `voice-agent sip call` command)."""
+
+        async def place(request: Request, body: PlacedCall, authorization: str | None = Header(None)):
+            settings = self._settings
+            if settings.api_key is not None:
+                check_api_key(settings, authorization)
+            elif request.client is None or request.client.host not in ("127.0.0.1", "::1"):
+                raise HTTPException(403, "placing calls from another machine needs API_KEY to be set")
+            try:
+                name = self.place_call(body.to)
+            except ValueError as e:
+                raise HTTPException(400, str(e)) from e
+            return JSONResponse({"call": name}, status_code=202)
+
+        app.add_api_route("/api/sip/calls", place, methods=["POST"])
 
     # --- the events thread's side (pjsua2)
 
     def _events_thread(self, started: asyncio.Future) -> None:
         endpoint = pj.Endpoint()
         try:
-            account = self._start_pjsua(endpoint)
+            account = self._account = self._start_pjsua(endpoint)
         except Exception as e:
             logger.error(f"SIP: could not start the endpoint: {e!r}")
             self._loop.call_soon_threadsafe(started.set_exception, RuntimeError(f"SIP endpoint failed to start: {e}"))
@@ -542,6 +621,7 @@ class SipEndpoint:
             self._idle_ports.clear()
             self._ports.clear()
             account.shutdown()
+            self._account = None
             del account
             endpoint.libDestroy()
             del endpoint
@@ -595,6 +675,11 @@ class SipEndpoint:
         elif settings.sip_host not in ("0.0.0.0", "::"):
             # Bound to one address, media stays on it too (SDP would name the default interface).
             account_config.mediaConfig.transportConfig.boundAddress = settings.sip_host
+        if settings.sip_trunk_username and settings.sip_trunk_password:
+            # Answers the trunk's digest challenge to the agent's own calls, whatever its realm.
+            account_config.sipConfig.authCreds.append(
+                pj.AuthCredInfo("digest", "*", settings.sip_trunk_username, 0, settings.sip_trunk_password.get_secret_value())
+            )
         account = AgentAccount(self)
         account.create(account_config, True)
         return account
@@ -635,11 +720,22 @@ class SipEndpoint:
             param.txOption.headers.append(header)
         call.answer(param)
 
+    def _dial(self, audio: CallAudio, uri: str) -> None:
+        call = AgentCall(self, self._account, pj.PJSUA_INVALID_ID, audio, outbound=True)
+        self._calls[audio.name] = call
+        try:
+            call.makeCall(uri, pj.CallOpParam(True))
+        except pj.Error as e:
+            logger.warning(f"SIP: call {audio.name} could not be placed: {e.reason}")
+            self._calls.pop(audio.name, None)
+            audio.post("disconnected")  # the conversation ends and frees its slot
+
     def _hang_up_unless_confirmed(self, name: str) -> None:
-        """A caller that never ACKs our 200 OK: pjsip goes on waiting, so the call is ended here."""
+        """A caller that never ACKs our 200 OK, or a callee that never answers: pjsip goes on
+        waiting, so the call is ended here."""
         call = self._calls.get(name)
         if call is not None and call.isActive() and call.getInfo().state != pj.PJSIP_INV_STATE_CONFIRMED:
-            logger.warning(f"SIP: call {name} never acknowledged the answer; hanging up")
+            logger.warning(f"SIP: call {name} was never confirmed (no ACK, or no answer); hanging up")
             call.hangup(pj.CallOpParam())
 
     def _hang_up(self, name: str) -> None:
