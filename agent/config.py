@@ -243,6 +243,9 @@ class Settings(BaseSettings):
     )
     sip_trunk_username: str | None = Field(None, description="Digest user name the trunk asks of the agent's calls.")
     sip_trunk_password: SecretStr | None = Field(None, description="Digest password for the trunk; never logged.")
+    sip_transfer_to: str | None = Field(
+        None, description="Where a call is transferred (REFER) when the agent hands the caller on: a number (through SIP_TRUNK) or a sip: URI."
+    )
     sip_echo_cancellation: bool = Field(
         True, description="Cancel the agent's echo on phone calls (a handset or line echoes), whatever ECHO_CANCELLATION says."
     )

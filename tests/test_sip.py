@@ -230,6 +230,36 @@ async def test_a_call_the_agent_places_that_is_declined_frees_its_slot(agent, tm
         await callee.stop()
 
 
+async def test_the_agent_transfers_a_caller_to_another_phone_and_leaves_the_call(agent, tmp_path):
+    caller = await phone(tmp_path, "caller")
+    operator = await phone(tmp_path, "operator", answer="auto")
+    try:
+        conversation = await call_and_be_greeted(agent, caller)
+        with pytest.raises(ValueError, match="SIP_TRANSFER_TO"):
+            await conversation.transport.transfer_call()  # none configured
+        await conversation.transport.transfer_call(operator.uri)
+        # The caller's phone follows the REFER: it calls the operator, who answers ...
+        await operator.wait_for_event("CALL_ESTABLISHED", CALL_SECS)
+        # ... and the agent, its part done, leaves the caller's first call and frees everything.
+        await until(lambda: not agent.state.sessions.active, CALL_SECS, "the transferred call's conversation went on")
+        await until(lambda: agent.state.sip.calls_held == 0, CALL_SECS, "pjsua2 still holds the transferred call")
+        await until(lambda: sum(e.get("type") == "CALL_CLOSED" for e in caller.events) >= 1, CALL_SECS, "the agent never left the call")
+    finally:
+        await caller.stop()
+        await operator.stop()
+
+
+async def test_the_agent_hangs_up_when_its_conversation_says_so(agent, tmp_path):
+    caller = await phone(tmp_path, "caller")
+    try:
+        conversation = await call_and_be_greeted(agent, caller)
+        await conversation.transport.end_call()
+        await caller.wait_for_event("CALL_CLOSED", CALL_SECS)
+        await until(lambda: not agent.state.sessions.active, CALL_SECS, "the conversation outlived its call")
+    finally:
+        await caller.stop()
+
+
 async def refused(caller: BaresipPhone, uri: str) -> str:
     """Dial `uri` and return how the call ended (baresip's CALL_CLOSED reason)."""
     await caller.dial(uri)

@@ -311,10 +311,15 @@ class SipOutput(BaseOutputTransport):
 
 class SipTransport(BaseTransport):
     """One call as a Pipecat transport. Events: `on_client_connected` (media flows; the
-    conversation greets), `on_client_disconnected` (the caller hung up; it ends)."""
+    conversation greets), `on_client_disconnected` (the caller hung up; it ends).
 
-    def __init__(self, audio: CallAudio, params: TransportParams):
+    Call control for the agent's tools: `end_call` hangs up, `transfer_call` hands the caller
+    to another number (REFER)."""
+
+    def __init__(self, audio: CallAudio, params: TransportParams, endpoint: "SipEndpoint"):
         super().__init__(name=f"SipTransport-{audio.name}")
+        self._audio = audio
+        self._endpoint = endpoint
         self._input = SipInput(self, audio, params, name=f"SipInput-{audio.name}")
         self._output = SipOutput(audio, params, name=f"SipOutput-{audio.name}")
         self._register_event_handler("on_client_connected")
@@ -325,6 +330,16 @@ class SipTransport(BaseTransport):
 
     def output(self) -> SipOutput:
         return self._output
+
+    async def end_call(self) -> None:
+        """Hang up; the conversation ends with the call."""
+        self._endpoint.hang_up(self._audio.name)
+
+    async def transfer_call(self, target: str | None = None) -> None:
+        """Ask the caller's phone to call `target` (default SIP_TRANSFER_TO) instead: a blind
+        transfer (REFER). The agent's call ends once the transfer succeeds; if it fails, the call
+        goes on. Raises ValueError when there is nowhere to transfer to."""
+        self._endpoint.transfer(self._audio.name, target)
 
     async def call_event(self, name: str, client: str) -> None:
         # BaseObject's protected event hooks, as Pipecat's transports use them
@@ -433,6 +448,18 @@ class AgentCall(pj.Call):
             logger.warning(f"call {self.audio.name}: ignored keypad digit {prm.digit!r}")
             return
         self.audio.post("digit", prm.digit)
+
+    @pjsip_callback
+    def onCallTransferStatus(self, prm):
+        # NOTIFYs of the REFER: the caller's phone reports how its call to the target goes.
+        if not prm.finalNotify:
+            return
+        prm.cont = False
+        if 200 <= prm.statusCode < 300:
+            logger.info(f"call {self.audio.name}: transferred")
+            self.hangup(pj.CallOpParam())
+        else:
+            logger.warning(f"call {self.audio.name}: the transfer failed ({prm.statusCode} {prm.reason}); the call goes on")
 
 
 class AgentAccount(pj.Account):
@@ -543,6 +570,17 @@ class SipEndpoint:
         self._start_conversation(audio, engines, lambda: self._dial(audio, uri))
         return audio.name
 
+    def hang_up(self, name: str) -> None:
+        self._run_on_events_thread(lambda: self._hang_up(name))
+
+    def transfer(self, name: str, target: str | None = None) -> None:
+        """REFER call `name` to `target` (a number through SIP_TRUNK, or a sip: URI), by default SIP_TRANSFER_TO."""
+        target = target or self._settings.sip_transfer_to
+        if not target:
+            raise ValueError("nowhere to transfer to: set SIP_TRANSFER_TO")
+        uri = dial_uri(target, self._settings.sip_trunk)
+        self._run_on_events_thread(lambda: self._refer(name, uri))
+
     def _start_conversation(self, audio: CallAudio, engines, connect: Callable[[], None]) -> None:
         task = asyncio.create_task(self._converse(audio, engines, connect))
         self._conversations.add(task)
@@ -554,7 +592,7 @@ class SipEndpoint:
 
         def build():
             conversation = build_conversation(
-                lambda params: SipTransport(audio, TransportParams(**params)),
+                lambda params: SipTransport(audio, TransportParams(**params), self),
                 engines,
                 self._call_settings,
                 metrics=[self._admission.metrics],
@@ -729,6 +767,12 @@ class SipEndpoint:
             logger.warning(f"SIP: call {audio.name} could not be placed: {e.reason}")
             self._calls.pop(audio.name, None)
             audio.post("disconnected")  # the conversation ends and frees its slot
+
+    def _refer(self, name: str, uri: str) -> None:
+        call = self._calls.get(name)
+        if call is not None and call.isActive():
+            logger.info(f"SIP: transferring call {name}")
+            call.xfer(uri, pj.CallOpParam(True))
 
     def _hang_up_unless_confirmed(self, name: str) -> None:
         """A caller that never ACKs our 200 OK, or a callee that never answers: pjsip goes on
