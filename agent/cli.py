@@ -102,7 +102,62 @@ def build_parser() -> argparse.ArgumentParser:
     call.add_argument("--url", help="the running agent (default: http://127.0.0.1:$PORT)")
     call.add_argument("--api-key", help="the agent's API_KEY, when it has one (default: $API_KEY)")
     call.set_defaults(run=sip_call_command)
+    setup = sip_commands.add_parser(
+        "setup", help="make LiveKit send phone calls to this agent (inbound trunk + dispatch rule)",
+        description="Through livekit-api (LIVEKIT_URL, LIVEKIT_API_KEY, LIVEKIT_API_SECRET; livekit-server "
+        "needs Redis for SIP): an inbound trunk for calls to --number from SIP_ALLOWED_SOURCES (with "
+        "SIP_USERNAME/SIP_PASSWORD when set), and a dispatch rule that puts each call in a room of its own "
+        "with AGENT_NAME dispatched. Running it again updates them; it never makes a second pair.",
+    )  # fmt: skip
+    setup.add_argument("--number", action="append", default=[], help="a phone number the trunk takes calls for (repeat; none: any)")
+    setup.set_defaults(run=sip_setup_command)
+    sip_commands.add_parser("list", help="show the LiveKit trunk and dispatch rule `sip setup` made").set_defaults(run=sip_list_command)
+    sip_commands.add_parser("teardown", help="delete them").set_defaults(run=sip_teardown_command)
     return parser
+
+
+def print_provisioned(provisioned, verb: str) -> None:
+    for trunk in provisioned.trunks:
+        numbers = ", ".join(trunk.numbers) or "any number"
+        print(f"{verb} trunk {trunk.sip_trunk_id} ({trunk.name}): {numbers} from {', '.join(trunk.allowed_addresses) or 'anywhere'}")
+    for rule in provisioned.rules:
+        agents = ", ".join(a.agent_name for a in rule.room_config.agents)
+        print(f"{verb} rule {rule.sip_dispatch_rule_id} ({rule.name}): each call a room, agent {agents}")
+
+
+def sip_setup_command(args: argparse.Namespace) -> None:
+    from agent.config import Settings
+    from agent.livekit_sip import setup
+
+    print_provisioned(run_livekit_sip(setup(Settings(), args.number)), "set up")
+
+
+def sip_list_command(args: argparse.Namespace) -> None:
+    from agent.config import Settings
+    from agent.livekit_sip import list_provisioned
+
+    provisioned = run_livekit_sip(list_provisioned(Settings()))
+    print_provisioned(provisioned, "has")
+    if not provisioned.trunks and not provisioned.rules:
+        print("nothing set up (voice-agent sip setup)")
+
+
+def sip_teardown_command(args: argparse.Namespace) -> None:
+    from agent.config import Settings
+    from agent.livekit_sip import teardown
+
+    print_provisioned(run_livekit_sip(teardown(Settings())), "deleted")
+
+
+def run_livekit_sip(coroutine):
+    from livekit.api import TwirpError
+
+    try:
+        return asyncio.run(coroutine)
+    except ValueError as e:
+        sys.exit(str(e))
+    except TwirpError as e:  # livekit-server said no: "sip not connected (redis required)", bad keys ...
+        sys.exit(f"livekit-server refused: {e.message}")
 
 
 def sip_call_command(args: argparse.Namespace) -> None:

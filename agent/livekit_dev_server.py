@@ -28,7 +28,7 @@ def find_livekit_server() -> str | None:
 class LiveKitServerProcess:
     """`with LiveKitServerProcess() as lk: lk.url` — on loopback, on ports of its own."""
 
-    def __init__(self, port: int | None = None, log_path: Path | None = None):
+    def __init__(self, port: int | None = None, log_path: Path | None = None, redis_host: str | None = None):
         self.binary = find_livekit_server()
         if self.binary is None:
             raise FileNotFoundError(
@@ -37,6 +37,7 @@ class LiveKitServerProcess:
         self.port = port or free_port()
         self.url = f"ws://127.0.0.1:{self.port}"
         self.log_path = log_path
+        self.redis_host = redis_host  # "127.0.0.1:6379": needed by the SIP API (trunks, dispatch rules)
         self._process: subprocess.Popen | None = None
 
     def start(self, timeout: float = 30.0) -> "LiveKitServerProcess":
@@ -47,6 +48,7 @@ class LiveKitServerProcess:
                 "--node-ip", "127.0.0.1", "--port", str(self.port), "--rtc.tcp_port", str(free_port()),
                 # All media on one free UDP port: no range to collide with another server's.
                 "--udp-port", str(free_port(socket.SOCK_DGRAM)),
+                *(["--redis-host", self.redis_host] if self.redis_host else []),
             ],
             stdout=log,
             stderr=subprocess.STDOUT,

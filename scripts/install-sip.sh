@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Installs (once) the SIP phones the tests call the agent with: baresip and SIPp (Debian sip-tester).
+# Installs (once) the SIP phones the tests call the agent with, baresip and SIPp (Debian sip-tester),
+# and Redis, which livekit-server needs for its SIP API (tests/test_livekit_sip.py).
 set -euo pipefail
 missing=()
 command -v baresip >/dev/null || missing+=(baresip)
 command -v sipp >/dev/null || missing+=(sip-tester)
+command -v redis-server >/dev/null || missing+=(redis-server)
 if [ ${#missing[@]} -eq 0 ]; then
     exit 0
 fi
