@@ -219,6 +219,13 @@ class Settings(BaseSettings):
     )
     metrics_public: bool = Field(False, description="Serve /metrics without the API key (e.g. to a scraper on a private network).")
 
+    tools_end_call: bool = Field(
+        False, description="Give the LLM the end_call tool: it says goodbye and ends the call, room or socket."
+    )
+    tools_transfer_call: bool = Field(
+        False, description="Give the LLM the transfer_call tool: phone calls are transferred (REFER) to SIP_TRANSFER_TO."
+    )
+
     sip_port: int | None = Field(
         None, ge=1, le=65535, description="Answer SIP calls on this port (UDP and TCP); unset = no SIP."
     )

@@ -6,6 +6,8 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 
 from loguru import logger
+from pipecat.adapters.llm.schemas.function_schema import FunctionSchema
+from pipecat.adapters.llm.schemas.tools_schema import ToolsSchema
 from pipecat.audio.vad.vad_analyzer import VADParams
 from pipecat.frames.frames import BotSpeakingFrame, InputAudioRawFrame, TTSSpeakFrame
 from pipecat.observers.base_observer import BaseObserver
@@ -23,6 +25,7 @@ from pipecat.transports.base_transport import BaseTransport
 from pipecat.turns.user_turn_strategies import UserTurnStrategies
 from pipecat.workers.runner import WorkerRunner
 
+from agent.call_tools import add_call_tools
 from agent.config import Settings
 from agent.engines import Engines
 from agent.turn_metrics import ConversationMetrics, TurnMetricsObserver
@@ -65,6 +68,7 @@ class Conversation:
     greeting: str = ""
     # Coroutines that run alongside the pipeline and are cancelled when it ends (see `background`).
     chores: list[Coroutine] = field(default_factory=list)
+    background_tasks: set[asyncio.Task] = field(default_factory=set)  # started by tools (end_call)
 
     def background(self, chore: Coroutine) -> None:
         """Run `chore` while the conversation runs (e.g. ending it when the worker drains)."""
@@ -76,6 +80,23 @@ class Conversation:
         now = time.monotonic()
         recent = max(self.llm.last_output_at, self.playback.last_played_at)
         return self.llm.generating or now - recent < quiet_secs
+
+    def add_tool(self, schema: FunctionSchema, handler, **options) -> None:
+        """Give the LLM a function to call, the Pipecat way: `schema` joins the context's tools and
+        `handler(params: FunctionCallParams)` is registered with the LLM service (`options` as
+        for `LLMService.register_function`: cancel_on_interruption, timeout_secs)."""
+        self.llm.register_function(schema.name, handler, **options)
+        tools = self.context.tools
+        standard = list(tools.standard_tools) if isinstance(tools, ToolsSchema) else []
+        self.context.set_tools(ToolsSchema(standard_tools=[*standard, schema]))
+
+    async def end_after_next_reply(self, timeout: float, reason: str) -> None:
+        """End the conversation once the LLM's next reply (a goodbye) has been spoken."""
+        asked = self.llm.requests
+        deadline = time.monotonic() + timeout
+        while self.llm.requests == asked and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        await self.end_after_reply(max(0.0, deadline - time.monotonic()), reason)
 
     async def end_after_reply(self, timeout: float, reason: str) -> None:
         """End the conversation once the reply being given is spoken (at once if none is), or at `timeout`."""
@@ -218,7 +239,7 @@ def build_conversation(
         idle_timeout_secs=settings.no_audio_timeout_secs if ends_without_audio else None,
         cancel_on_idle_timeout=True,
     )
-    return Conversation(
+    conversation = Conversation(
         worker=worker,
         transport=transport,
         context=context,
@@ -233,6 +254,8 @@ def build_conversation(
         turns=turns,
         greeting=settings.greeting,
     )
+    add_call_tools(conversation, settings)
+    return conversation
 
 
 async def run_conversation(conversation: Conversation, name: str) -> bool:

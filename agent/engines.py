@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from loguru import logger
 
 from agent.config import Settings
+from services import bundled
 from services.batcher import DynamicBatcher
 from services.engine import Engine
 from services.llm import TransformersLLMEngine
@@ -52,13 +53,16 @@ def load_engines(settings: Settings) -> Engines:
         settings.stt_model,
         **settings.of_stage("stt", "device", "compute_type", "workers", "language", "beam_size"),
     )
-    llm = TransformersLLMEngine.load(
-        settings.llm_model,
+    return Engines(stt=stt, llm=load_llm(settings), tts=load_tts(settings))
+
+
+def load_llm(settings: Settings) -> TransformersLLMEngine:
+    return TransformersLLMEngine.load(
+        bundled.llm_path(settings.llm_model, settings.cache_dir),
         cache_dir=settings.cache_dir,
         **settings.of_stage("llm", "gguf_file", "device", "dtype", "cpu_threads", "max_new_tokens", "temperature"),
         **settings.of_stage("llm", "max_batch", "kv_cache_tokens"),
     )
-    return Engines(stt=stt, llm=llm, tts=load_tts(settings))
 
 
 def load_tts(settings: Settings) -> PiperEngine | OrpheusEngine:

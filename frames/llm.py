@@ -1,11 +1,14 @@
 """Pipecat LLM service over the shared TransformersLLMEngine."""
 
+import json
 import re
 import time
+import uuid
 
 from loguru import logger
 from pipecat.frames.frames import (
     Frame,
+    FunctionCallFromLLM,
     LLMContextFrame,
     LLMFullResponseEndFrame,
     LLMFullResponseStartFrame,
@@ -16,6 +19,7 @@ from pipecat.services.llm_service import LLMService
 from pipecat.services.settings import LLMSettings
 
 from services.llm import TransformersLLMEngine
+from services.tool_calls import ToolCall
 
 # Words by which a user asks for more than a sentence or two: the reply is then not capped in
 # sentences (only by LLM_MAX_NEW_TOKENS).
@@ -61,35 +65,65 @@ class TransformersLLMService(LLMService):
         self._engine = engine
         self._max_sentences = max_sentences or None
         self._context_tokens = context_tokens  # prompt budget: older turns are left out
-        self._requests = 0  # engine requests this conversation made: numbers their ids
+        self.requests = 0  # engine requests this conversation made: numbers their ids
         self.generating = False
         self.last_output_at = 0.0  # time.monotonic() of the latest text generated
 
     def can_generate_metrics(self) -> bool:
         return True
 
-    async def chat_messages(self, context: LLMContext) -> list[dict]:
-        """The context as plain {role, content: str} messages for a chat template."""
+    async def chat_messages(self, context: LLMContext) -> tuple[list[dict], list[dict] | None]:
+        """The context as chat-template messages, and its tools as JSON schemas (None when the
+        context has none or the model's template cannot render them)."""
         params = await self.get_llm_adapter().get_llm_invocation_params(
             context,
             system_instruction=self._settings.system_instruction,
             convert_developer_to_user=False,
         )
+        tools = params.get("tools")
+        tools = list(tools) if isinstance(tools, list) and tools and self._engine.knows_tools else None
         messages = []
         for message in params["messages"]:
             role = message.get("role")
-            if role not in ("system", "developer", "user", "assistant"):
-                continue  # tool calls are not supported by the local engine yet
             content = message.get("content") or ""
             if not isinstance(content, str):  # multi-part content: keep the text parts
                 content = " ".join(p.get("text", "") for p in content if isinstance(p, dict))
-            messages.append({"role": "system" if role == "developer" else role, "content": content})
-        return messages
+            if role in ("system", "developer", "user"):
+                messages.append({"role": "system" if role == "developer" else role, "content": content})
+            elif role == "assistant" and message.get("tool_calls"):
+                if tools:  # chat templates take a call's arguments as a mapping, not OpenAI's JSON string
+                    calls = [template_tool_call(c["function"]) for c in message["tool_calls"]]
+                    messages.append({"role": "assistant", "content": content, "tool_calls": calls})
+            elif role == "assistant":
+                messages.append({"role": "assistant", "content": content})
+            elif role == "tool" and tools:
+                messages.append({"role": "tool", "content": content})
+        return messages, tools
 
     def sentences_for(self, messages: list[dict]) -> int | None:
         """The reply's sentence cap: none when the user's last words ask for a longer answer."""
         asked = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
         return None if LONG_ANSWER.search(asked) else self._max_sentences
+
+    async def _reply(self, messages: list[dict], tools: list[dict] | None) -> list[ToolCall]:
+        """Stream one reply's text downstream; return the calls the model made."""
+        request_id = f"{self.name}-{self.requests}"
+        self.requests += 1
+        calls: list[ToolCall] = []
+        async for output in self._engine.stream(
+            messages,
+            tools=tools,
+            request_id=request_id,
+            max_new_tokens=self._settings.max_tokens,
+            max_sentences=self.sentences_for(messages),
+        ):
+            await self.stop_ttfb_metrics()  # the first output ends it; later calls do nothing
+            self.last_output_at = time.monotonic()
+            if isinstance(output, ToolCall):
+                calls.append(output)
+            else:
+                await self._push_llm_text(output)
+        return calls
 
     async def process_frame(self, frame: Frame, direction: FrameDirection):
         await super().process_frame(frame, direction)
@@ -101,21 +135,29 @@ class TransformersLLMService(LLMService):
         await self.start_ttfb_metrics()
         self.generating = True
         try:
-            messages = self._engine.fit(await self.chat_messages(frame.context), self._context_tokens)
-            request_id = f"{self.name}-{self._requests}"
-            self._requests += 1
-            first = True
-            async for text in self._engine.stream(
-                messages,
-                request_id=request_id,
-                max_new_tokens=self._settings.max_tokens,
-                max_sentences=self.sentences_for(messages),
-            ):
-                if first:
-                    await self.stop_ttfb_metrics()
-                    first = False
-                self.last_output_at = time.monotonic()
-                await self._push_llm_text(text)
+            messages, tools = await self.chat_messages(frame.context)
+            messages = self._engine.fit(messages, self._context_tokens, tools)
+            calls = await self._reply(messages, tools)
+            if calls and all(call_key(c) in answered_calls(messages) for c in calls):
+                # Small models (Qwen2.5-Coder-0.5B) may call again what they have the result of,
+                # for ever: they must answer from the result instead, so they get no tools.
+                logger.debug(f"{self}: the model repeated {[c.name for c in calls]}; answering without tools")
+                calls = await self._reply(messages, None)
+            if calls:
+                # Pipecat runs the registered handlers, puts each call and its result in the
+                # context, and asks for the reply that follows (a new LLMContextFrame).
+                logger.debug(f"{self}: the model called {[c.name for c in calls]}")
+                await self.run_function_calls(
+                    [
+                        FunctionCallFromLLM(
+                            function_name=call.name,
+                            tool_call_id=f"call_{uuid.uuid4().hex[:12]}",
+                            arguments=call.arguments,
+                            context=frame.context,
+                        )
+                        for call in calls
+                    ]
+                )
         except Exception as e:  # the engine failed this request; the conversation goes on
             logger.exception(f"{self}: generation failed")
             await self.push_error(error_msg=f"LLM failed: {e}", exception=e)
@@ -123,3 +165,29 @@ class TransformersLLMService(LLMService):
             self.generating = False
             await self.stop_processing_metrics()
             await self.push_frame(LLMFullResponseEndFrame())
+
+
+def template_tool_call(function: dict) -> dict:
+    """OpenAI's {"name", "arguments": "<json>"} as chat templates render a call."""
+    arguments = function.get("arguments") or {}
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            arguments = {}
+    return {"type": "function", "function": {"name": function.get("name", ""), "arguments": arguments}}
+
+
+def call_key(call: ToolCall) -> str:
+    return json.dumps([call.name, call.arguments], sort_keys=True)
+
+
+def answered_calls(messages: list[dict]) -> set[str]:
+    """The calls made since the user last spoke (chat-template form), as `call_key`s."""
+    keys: set[str] = set()
+    for message in reversed(messages):
+        if message["role"] == "user":
+            break
+        for call in message.get("tool_calls") or []:
+            keys.add(call_key(ToolCall(call["function"]["name"], call["function"]["arguments"])))
+    return keys

@@ -20,6 +20,7 @@ class LLMRequests:
 
     prompts: list[list[dict]] = field(default_factory=list)
     replies: list[str] = field(default_factory=list)
+    tool_calls: list = field(default_factory=list)  # services.tool_calls.ToolCall, as the model made them
 
 
 class LLMLog:
@@ -45,9 +46,12 @@ class LLMLog:
         log.replies.append("")
         index = len(log.replies) - 1
         async with aclosing(self.engine.stream(messages, request_id=request_id, **kwargs)) as texts:
-            async for text in texts:
-                log.replies[index] += text
-                yield text
+            async for output in texts:
+                if isinstance(output, str):
+                    log.replies[index] += output
+                else:
+                    log.tool_calls.append(output)
+                yield output
 
 
 def with_llm_log(engines: Engines) -> Engines:

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from services.batched_generation import ContinuousBatchGenerator, resolve_dtype
 from services.int4_linear import pack_4bit_linear_layers
 from services.spoken_reply import SpokenReply
+from services.tool_calls import ToolCall, ToolCallSplitter
 
 SAMPLING_TOP_P = 0.9  # nucleus sampling, when LLM_TEMPERATURE > 0
 MAX_BATCH_TOKENS = 1024  # prompt + generated tokens one batched step may process
@@ -97,32 +98,38 @@ class TransformersLLMEngine:
         logger.info(f"LLM {source} loaded on {device} as {loaded_as} in {time.perf_counter() - started:.1f}s")
         return cls(model, tokenizer, name=Path(source).name or source, **engine_kwargs)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Chat messages ({role, content: str}) → prompt ids through the model's chat template."""
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Chat messages ({role, content: str}, and the template's tool-call messages) and the
+        tools' JSON schemas → prompt ids through the model's chat template."""
         encoded = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=True
+            messages, tools=tools or None, add_generation_prompt=True, tokenize=True, return_dict=True
         )
         return list(encoded["input_ids"])
 
-    def fit(self, messages: list[dict], budget: int | None) -> list[dict]:
+    @property
+    def knows_tools(self) -> bool:
+        """The chat template renders tools (Qwen2.5, Llama 3.1, ...); SmolLM2's ignores them."""
+        return "tools" in (self.tokenizer.chat_template or "")
+
+    def fit(self, messages: list[dict], budget: int | None, tools: list[dict] | None = None) -> list[dict]:
         """`messages` without their oldest turns, so that the prompt takes at most `budget` tokens.
 
         System messages and the end of the last message always stay. The prompt is what every step of the
         reply's prefill pays for: on CPU a long one delays the first word noticeably, and a small
         model answers the newest question better without a long history.
         """
-        if budget is None or len(self.encode_chat(messages)) <= budget:
+        if budget is None or len(self.encode_chat(messages, tools)) <= budget:
             return messages
         system = [m for m in messages if m["role"] == "system"]
         turns = [m for m in messages if m["role"] != "system"]
-        while len(turns) > 1 and len(self.encode_chat(system + turns)) > budget:
+        while len(turns) > 1 and len(self.encode_chat(system + turns, tools)) > budget:
             turns = turns[1:]
             while len(turns) > 1 and turns[0]["role"] != "user":  # start at a user turn
                 turns = turns[1:]
-        if len(self.encode_chat(system + turns)) > budget:
+        if len(self.encode_chat(system + turns, tools)) > budget:
             # One turn longer than the budget (a user talking for minutes): its latest words stay.
             last = turns[-1]
-            room = budget - len(self.encode_chat(system + [{**last, "content": ""}]))
+            room = budget - len(self.encode_chat(system + [{**last, "content": ""}], tools))
             words = self.tokenizer.encode(last["content"], add_special_tokens=False)[-max(1, room) :]
             turns = [{**last, "content": self.tokenizer.decode(words).lstrip()}]
         return system + turns
@@ -131,19 +138,26 @@ class TransformersLLMEngine:
         self,
         messages: list[dict],
         *,
+        tools: list[dict] | None = None,
         request_id: str | None = None,
         max_new_tokens: int | None = None,
         max_sentences: int | None = None,
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[str | ToolCall]:
         """Generate a reply to `messages`, yielding text as it is produced: at most
         `max_sentences` sentences (None: as many as the token budget allows), and never a
-        sentence that repeats the reply (see SpokenReply); generation stops there."""
+        sentence that repeats the reply (see SpokenReply); generation stops there.
+
+        With `tools`, the calls the model makes come last, as ToolCall objects, and are never
+        part of the text (see ToolCallSplitter)."""
         request_id = request_id or f"llm-{uuid.uuid4().hex[:12]}"
         tokens: list[int] = []
         text, emitted = "", 0
         reply = SpokenReply(max_sentences)
+        splitter = ToolCallSplitter() if tools else None
         generated = self.generator.stream(
-            self.encode_chat(messages), request_id=request_id, max_new_tokens=max_new_tokens or self.max_new_tokens
+            self.encode_chat(messages, tools),
+            request_id=request_id,
+            max_new_tokens=max_new_tokens or self.max_new_tokens,
         )
         async with aclosing(generated):  # leaving early cancels the request in the batch
             async for new in generated:
@@ -152,14 +166,22 @@ class TransformersLLMEngine:
                 # A multi-byte character split across tokens decodes to U+FFFD until complete.
                 if text.endswith("\ufffd"):
                     continue
-                if (release := reply.update(text)) > emitted:
-                    yield text[emitted:release]
+                speech = text[: splitter.speakable(text)] if splitter else text
+                if (release := reply.update(speech)) > emitted:
+                    yield speech[emitted:release]
                     emitted = release
                 if reply.over:
                     self.generator.finish(request_id)  # the rest would not be spoken
                     return
-        if (release := reply.finish(text)) > emitted:
-            yield text[emitted:release]
+        calls: list[ToolCall] = []
+        speech = text
+        if splitter:
+            rest, calls = splitter.finish(text)
+            speech = text[: splitter.speakable(text)] + rest
+        if (release := reply.finish(speech)) > emitted:
+            yield speech[emitted:release]
+        for call in calls:
+            yield call
 
     def cancel(self, request_id: str) -> None:
         """Stop a request inside the batch (idempotent)."""

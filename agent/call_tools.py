@@ -1,0 +1,64 @@
+"""Built-in tools the LLM may be given (TOOLS_END_CALL, TOOLS_TRANSFER_CALL): ending and handing on the call."""
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from loguru import logger
+from pipecat.adapters.llm.schemas.function_schema import FunctionSchema
+from pipecat.services.llm_service import FunctionCallParams
+
+from agent.config import Settings
+
+if TYPE_CHECKING:
+    from agent.conversation import Conversation
+
+GOODBYE_SECS = 30.0  # longest wait for the goodbye to be spoken before the call ends anyway
+
+END_CALL = FunctionSchema(
+    name="end_call",
+    description="Hang up. Call this when the user says goodbye or that they need nothing more; say goodbye first.",
+    properties={},
+    required=[],
+)
+TRANSFER_CALL = FunctionSchema(
+    name="transfer_call",
+    description="Transfer the caller to a human. Call this when the user asks for a person, an operator or an agent.",
+    properties={},
+    required=[],
+)
+
+
+def add_call_tools(conversation: "Conversation", settings: Settings) -> None:
+    if settings.tools_end_call:
+        conversation.add_tool(END_CALL, end_call_handler(conversation))
+    if settings.tools_transfer_call:
+        conversation.add_tool(TRANSFER_CALL, transfer_call_handler(conversation))
+
+
+def end_call_handler(conversation: "Conversation"):
+    async def end_call(params: FunctionCallParams) -> None:
+        # The model is asked to say goodbye in the reply that follows this result; the
+        # conversation (and with it the call, room or socket) ends once that is spoken.
+        logger.info("the agent ends the call")
+        ending = asyncio.create_task(conversation.end_after_next_reply(GOODBYE_SECS, "the agent ended the call"))
+        conversation.background_tasks.add(ending)
+        ending.add_done_callback(conversation.background_tasks.discard)
+        await params.result_callback({"status": "the call ends after your goodbye"})
+
+    return end_call
+
+
+def transfer_call_handler(conversation: "Conversation"):
+    async def transfer_call(params: FunctionCallParams) -> None:
+        transfer = getattr(conversation.transport, "transfer_call", None)
+        if transfer is None:
+            await params.result_callback({"error": "this call cannot be transferred (not a phone call)"})
+            return
+        try:
+            await transfer()
+        except ValueError as e:
+            await params.result_callback({"error": str(e)})
+            return
+        await params.result_callback({"status": "transferring the caller now"})
+
+    return transfer_call
