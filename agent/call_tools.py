@@ -1,10 +1,12 @@
 """Built-in tools the LLM may be given (TOOLS_END_CALL, TOOLS_TRANSFER_CALL): ending and handing on the call."""
 
 import asyncio
+import time
 from typing import TYPE_CHECKING
 
 from loguru import logger
 from pipecat.adapters.llm.schemas.function_schema import FunctionSchema
+from pipecat.frames.frames import FunctionCallResultProperties, TTSSpeakFrame
 from pipecat.services.llm_service import FunctionCallParams
 
 from agent.config import Settings
@@ -16,7 +18,9 @@ GOODBYE_SECS = 30.0  # longest wait for the goodbye to be spoken before the call
 
 END_CALL = FunctionSchema(
     name="end_call",
-    description="Hang up. Call this when the user says goodbye or that they need nothing more; say goodbye first.",
+    # Worded so that Qwen2.5-Coder-0.5B calls it on "Thank you, that's all, goodbye." (other
+    # wordings made it just say "Goodbye."), and still answers a question itself.
+    description="When the user says goodbye or that they need nothing more, call this instead of replying: it says goodbye and hangs up.",
     properties={},
     required=[],
 )
@@ -30,20 +34,22 @@ TRANSFER_CALL = FunctionSchema(
 
 def add_call_tools(conversation: "Conversation", settings: Settings) -> None:
     if settings.tools_end_call:
-        conversation.add_tool(END_CALL, end_call_handler(conversation))
+        conversation.add_tool(END_CALL, end_call_handler(conversation, settings.goodbye))
     if settings.tools_transfer_call:
         conversation.add_tool(TRANSFER_CALL, transfer_call_handler(conversation))
 
 
-def end_call_handler(conversation: "Conversation"):
+def end_call_handler(conversation: "Conversation", goodbye: str):
     async def end_call(params: FunctionCallParams) -> None:
-        # The model is asked to say goodbye in the reply that follows this result; the
-        # conversation (and with it the call, room or socket) ends once that is spoken.
+        # The goodbye is said here, not left to the model (a small one calls end_call again
+        # instead); the conversation, and with it the call, room or socket, ends once it is spoken.
         logger.info("the agent ends the call")
-        ending = asyncio.create_task(conversation.end_after_next_reply(GOODBYE_SECS, "the agent ended the call"))
+        queued_at = time.monotonic()
+        await params.llm.push_frame(TTSSpeakFrame(goodbye))
+        ending = asyncio.create_task(conversation.end_after_speech_since(queued_at, GOODBYE_SECS, "the agent ended the call"))
         conversation.background_tasks.add(ending)
         ending.add_done_callback(conversation.background_tasks.discard)
-        await params.result_callback({"status": "the call ends after your goodbye"})
+        await params.result_callback({"status": "ended"}, properties=FunctionCallResultProperties(run_llm=False))
 
     return end_call
 

@@ -222,6 +222,7 @@ class Settings(BaseSettings):
     tools_end_call: bool = Field(
         False, description="Give the LLM the end_call tool: it says goodbye and ends the call, room or socket."
     )
+    goodbye: str = Field("Goodbye!", description="What the agent says as it ends a call with the end_call tool.")
     tools_transfer_call: bool = Field(
         False, description="Give the LLM the transfer_call tool: phone calls are transferred (REFER) to SIP_TRANSFER_TO."
     )

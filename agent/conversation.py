@@ -90,11 +90,10 @@ class Conversation:
         standard = list(tools.standard_tools) if isinstance(tools, ToolsSchema) else []
         self.context.set_tools(ToolsSchema(standard_tools=[*standard, schema]))
 
-    async def end_after_next_reply(self, timeout: float, reason: str) -> None:
-        """End the conversation once the LLM's next reply (a goodbye) has been spoken."""
-        asked = self.llm.requests
+    async def end_after_speech_since(self, since: float, timeout: float, reason: str) -> None:
+        """End the conversation once speech queued at `since` (time.monotonic()) has been played."""
         deadline = time.monotonic() + timeout
-        while self.llm.requests == asked and time.monotonic() < deadline:
+        while self.playback.last_played_at <= since and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         await self.end_after_reply(max(0.0, deadline - time.monotonic()), reason)
 

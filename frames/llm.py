@@ -19,7 +19,7 @@ from pipecat.services.llm_service import LLMService
 from pipecat.services.settings import LLMSettings
 
 from services.llm import TransformersLLMEngine
-from services.tool_calls import ToolCall
+from services.tool_calls import ToolCall, spoken_json
 
 # Words by which a user asks for more than a sentence or two: the reply is then not capped in
 # sentences (only by LLM_MAX_NEW_TOKENS).
@@ -27,6 +27,11 @@ LONG_ANSWER = re.compile(
     r"\b(story|stories|explain|describe|details?|detailed|elaborate|more|long|longer|list|steps|everything|poem|essay)\b",
     re.IGNORECASE,
 )
+
+
+# Said to the model whenever it is given tools: small models (Qwen2.5-Coder-0.5B) otherwise call
+# a made-up function for a plain question ("get_capital").
+TOOL_GUIDANCE = "Answer questions yourself; call a function only to do what its description says."
 
 
 class TransformersLLMService(LLMService):
@@ -82,22 +87,33 @@ class TransformersLLMService(LLMService):
         )
         tools = params.get("tools")
         tools = list(tools) if isinstance(tools, list) and tools and self._engine.knows_tools else None
+        # A call a barge-in cancelled is left out, call and result: the user moved on, and a
+        # small model shown it books again what the user has just said to forget.
+        cancelled = {m.get("tool_call_id") for m in params["messages"] if m.get("role") == "tool" and m.get("content") == "CANCELLED"}
         messages = []
         for message in params["messages"]:
             role = message.get("role")
+            if role == "tool" and message.get("tool_call_id") in cancelled:
+                continue
             content = message.get("content") or ""
             if not isinstance(content, str):  # multi-part content: keep the text parts
                 content = " ".join(p.get("text", "") for p in content if isinstance(p, dict))
             if role in ("system", "developer", "user"):
                 messages.append({"role": "system" if role == "developer" else role, "content": content})
             elif role == "assistant" and message.get("tool_calls"):
-                if tools:  # chat templates take a call's arguments as a mapping, not OpenAI's JSON string
-                    calls = [template_tool_call(c["function"]) for c in message["tool_calls"]]
+                # Chat templates take a call's arguments as a mapping, not OpenAI's JSON string.
+                calls = [template_tool_call(c["function"]) for c in message["tool_calls"] if c.get("id") not in cancelled]
+                if tools and calls:
                     messages.append({"role": "assistant", "content": content, "tool_calls": calls})
             elif role == "assistant":
                 messages.append({"role": "assistant", "content": content})
             elif role == "tool" and tools:
                 messages.append({"role": "tool", "content": content})
+        if tools:
+            if messages and messages[0]["role"] == "system":
+                messages[0] = {"role": "system", "content": f"{messages[0]['content']}\n\n{TOOL_GUIDANCE}"}
+            else:
+                messages.insert(0, {"role": "system", "content": TOOL_GUIDANCE})
         return messages, tools
 
     def sentences_for(self, messages: list[dict]) -> int | None:
@@ -140,9 +156,10 @@ class TransformersLLMService(LLMService):
             calls = await self._reply(messages, tools)
             if calls and all(call_key(c) in answered_calls(messages) for c in calls):
                 # Small models (Qwen2.5-Coder-0.5B) may call again what they have the result of,
-                # for ever: they must answer from the result instead, so they get no tools.
-                logger.debug(f"{self}: the model repeated {[c.name for c in calls]}; answering without tools")
-                calls = await self._reply(messages, None)
+                # for ever: the user hears the results instead.
+                logger.debug(f"{self}: the model repeated {[c.name for c in calls]}; saying their results")
+                await self._push_llm_text(spoken_results(messages))
+                calls = []
             if calls:
                 # Pipecat runs the registered handlers, puts each call and its result in the
                 # context, and asks for the reply that follows (a new LLMContextFrame).
@@ -191,3 +208,15 @@ def answered_calls(messages: list[dict]) -> set[str]:
         for call in message.get("tool_calls") or []:
             keys.add(call_key(ToolCall(call["function"]["name"], call["function"]["arguments"])))
     return keys
+
+
+def spoken_results(messages: list[dict]) -> str:
+    """The tool results since the user last spoke, as words: "booked yes, confirmation code blue harbor."."""
+    results = []
+    for message in reversed(messages):
+        if message["role"] == "user":
+            break
+        if message["role"] == "tool":
+            text = spoken_json(message["content"]).replace("`", "").replace("True", "yes").replace("False", "no")
+            results.insert(0, text.strip().rstrip(".") + ".")
+    return " ".join(results)

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 
 CALL_OPENERS = ("<tool_call>", "```", "{", "[")
+MALFORMED_CALL = re.compile(r'"name"\s*:.*"(?:arguments|parameters)"', re.DOTALL)
 # A held fence or tag whose JSON is no call is spoken after all, without its markup; small models
 # sometimes answer a tool's result by repeating it ({"confirmation_code": "K7Q2"}).
 MARKUP = re.compile(r"</?tool_call>|```(?:json)?", re.IGNORECASE)
@@ -46,8 +47,8 @@ class ToolCallSplitter:
         start = self.speakable(text)
         held = text[start:]
         calls = parse_tool_calls(held)
-        if calls:
-            return "", calls
+        if calls or MALFORMED_CALL.search(held):
+            return "", calls  # a call, or one too broken to parse: never spoken
         return spoken_json(MARKUP.sub("", held)), []
 
 

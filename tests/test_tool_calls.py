@@ -41,6 +41,8 @@ def test_several_calls_and_string_arguments():
 def test_plain_speech_is_spoken_whole_and_json_that_is_no_call_is_spoken_as_words():
     assert stream("The capital of France is Paris.") == ("The capital of France is Paris.", [])
     assert stream('The answer is ```{"value": 4}```') == ("The answer is value 4", [])
+    # A call too broken to parse (Qwen2.5-Coder-0.5B wrote this) is not spoken either.
+    assert stream('{"name": "end_call", "arguments": type object, properties message Goodbye!') == ("", [])
     # Qwen2.5-Coder-0.5B answered a booking's result by repeating it.
     assert stream('{"confirmation_code": "K7Q2"}') == ("confirmation code K7Q2", [])
 
