@@ -2,17 +2,12 @@
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
-
 from loguru import logger
 from pipecat.adapters.llm.schemas.function_schema import FunctionSchema
 from pipecat.frames.frames import FunctionCallResultProperties, TTSSpeakFrame
 from pipecat.services.llm_service import FunctionCallParams
 
 from agent.config import Settings
-
-if TYPE_CHECKING:
-    from agent.conversation import Conversation
 
 GOODBYE_SECS = 30.0  # longest wait for the goodbye to be spoken before the call ends anyway
 
@@ -32,14 +27,15 @@ TRANSFER_CALL = FunctionSchema(
 )
 
 
-def add_call_tools(conversation: "Conversation", settings: Settings) -> None:
+def add_call_tools(conversation, settings: Settings) -> None:
+    """Give `conversation` (agent.conversation.Conversation, which calls this) the enabled built-ins."""
     if settings.tools_end_call:
         conversation.add_tool(END_CALL, end_call_handler(conversation, settings.goodbye))
     if settings.tools_transfer_call:
         conversation.add_tool(TRANSFER_CALL, transfer_call_handler(conversation))
 
 
-def end_call_handler(conversation: "Conversation", goodbye: str):
+def end_call_handler(conversation, goodbye: str):
     async def end_call(params: FunctionCallParams) -> None:
         # The goodbye is said here, not left to the model (a small one calls end_call again
         # instead); the conversation, and with it the call, room or socket, ends once it is spoken.
@@ -54,7 +50,7 @@ def end_call_handler(conversation: "Conversation", goodbye: str):
     return end_call
 
 
-def transfer_call_handler(conversation: "Conversation"):
+def transfer_call_handler(conversation):
     async def transfer_call(params: FunctionCallParams) -> None:
         transfer = getattr(conversation.transport, "transfer_call", None)
         if transfer is None:

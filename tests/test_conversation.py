@@ -85,12 +85,15 @@ async def test_two_turn_conversation(engines, settings, say):
 
 async def test_two_conversations_share_one_copy_of_each_model(engines, settings, say):
     started = engines.llm.stats.started
+    loads = (WhisperEngine.loads, TransformersLLMEngine.loads, PiperEngine.loads)
     async with LocalSession(engines, settings) as a, LocalSession(engines, settings) as b:
         await asyncio.gather(
             check_two_turns(a, engines, say, ["How many legs does a spider have?", "And how many does a dog have?"]),
             check_two_turns(b, engines, say, ["Can you name a fruit that is yellow?", "What is the weather like in Paris today?"]),
         )
-    assert (WhisperEngine.loads, TransformersLLMEngine.loads, PiperEngine.loads) == (1, 1, 1)
+    # No conversation loads a model of its own. (The suite loads one other LLM, once: the
+    # tool-calling model of tests/test_tools.py.)
+    assert (WhisperEngine.loads, TransformersLLMEngine.loads, PiperEngine.loads) == loads
     for session in (a, b):
         assert session.conversation.stt._engine is engines.stt
         assert session.conversation.llm._engine is engines.llm
@@ -123,7 +126,19 @@ async def test_interruption_stops_audio_cancels_llm_and_cuts_context(engines, se
         asked = session.now()
         await wait_for_speech(session, after=asked)
         await asyncio.sleep(1.5)  # let it speak a little
-        cancelled_before = engines.llm.stats.cancelled
+        cancelled_before, finished_before = engines.llm.stats.cancelled, engines.llm.stats.finished
+        generating = session.conversation.llm.generating
+        # SmolLM2 sometimes loops, and the reply then ends itself early (SpokenReply): nothing is
+        # left to cancel. How many requests had ended on their own when the user's turn began:
+        turns_before = len(session.turn_log.user_turn_started_at)
+        finished_at_cut_in = []
+
+        async def note_the_cut_in():
+            while len(session.turn_log.user_turn_started_at) == turns_before:
+                await asyncio.sleep(0.005)
+            finished_at_cut_in.append(engines.llm.stats.finished)
+
+        watcher = asyncio.create_task(note_the_cut_in())
         full_window_before = engines.stt.full_window_encodes
         await session.speak(await say("Wait, stop. Tell me about cats instead."))
         await wait_for_speech(session, after=session.now())
@@ -139,7 +154,8 @@ async def test_interruption_stops_audio_cancels_llm_and_cuts_context(engines, se
     assert not late or max(late) <= 0.3, f"bot audio went on {max(late):.2f}s after the user cut in"
 
     # The engine cancelled the unfinished request.
-    assert engines.llm.stats.cancelled > cancelled_before
+    if generating and finished_at_cut_in[0] == finished_before:  # the story was being generated still
+        assert engines.llm.stats.cancelled > cancelled_before
     full_story = engines.llm.of(conversation).replies[0]
     assistant = [m["content"] for m in conversation.context.get_messages() if m["role"] == "assistant"]
     heard_story = assistant[0]
