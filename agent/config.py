@@ -222,6 +222,11 @@ class Settings(BaseSettings):
     tools_end_call: bool = Field(
         False, description="Give the LLM the end_call tool: it says goodbye and ends the call, room or socket."
     )
+    mcp_servers: str | None = Field(
+        None,
+        description="MCP servers whose tools the LLM may call, comma-separated: a streamable-HTTP URL "
+        "(http://host:port/mcp) or a command that serves MCP on stdio (`python server.py`).",
+    )
     goodbye: str = Field("Goodbye!", description="What the agent says as it ends a call with the end_call tool.")
     tools_transfer_call: bool = Field(
         False, description="Give the LLM the transfer_call tool: phone calls are transferred (REFER) to SIP_TRANSFER_TO."
@@ -281,6 +286,10 @@ class Settings(BaseSettings):
     @property
     def livekit_enabled(self) -> bool:
         return bool(self.livekit_url and self.livekit_api_key and self.livekit_api_secret)
+
+    @property
+    def tools_configured(self) -> bool:
+        return self.tools_end_call or self.tools_transfer_call or bool(self.mcp_servers)
 
     @property
     def sip_enabled(self) -> bool:

@@ -81,11 +81,12 @@ class Conversation:
         recent = max(self.llm.last_output_at, self.playback.last_played_at)
         return self.llm.generating or now - recent < quiet_secs
 
-    def add_tool(self, schema: FunctionSchema, handler, **options) -> None:
+    def add_tool(self, schema: FunctionSchema, handler=None, **options) -> None:
         """Give the LLM a function to call, the Pipecat way: `schema` joins the context's tools and
-        `handler(params: FunctionCallParams)` is registered with the LLM service (`options` as
-        for `LLMService.register_function`: cancel_on_interruption, timeout_secs)."""
-        self.llm.register_function(schema.name, handler, **options)
+        `handler(params: FunctionCallParams)` (default: the one the schema carries, as MCP tools'
+        do) is registered with the LLM service (`options` as for `LLMService.register_function`:
+        cancel_on_interruption, timeout_secs)."""
+        self.llm.register_function(schema.name, handler or schema.handler, **options)
         tools = self.context.tools
         standard = list(tools.standard_tools) if isinstance(tools, ToolsSchema) else []
         self.context.set_tools(ToolsSchema(standard_tools=[*standard, schema]))
@@ -254,6 +255,10 @@ def build_conversation(
         greeting=settings.greeting,
     )
     add_call_tools(conversation, settings)
+    if settings.mcp_servers:
+        from agent.mcp_tools import add_mcp_tools, mcp_clients  # the `tools` extra (mcp)
+
+        conversation.background(add_mcp_tools(conversation, mcp_clients(settings)))
     return conversation
 
 

@@ -57,12 +57,26 @@ def load_engines(settings: Settings) -> Engines:
 
 
 def load_llm(settings: Settings) -> TransformersLLMEngine:
-    return TransformersLLMEngine.load(
+    llm = TransformersLLMEngine.load(
         bundled.llm_path(settings.llm_model, settings.cache_dir),
         cache_dir=settings.cache_dir,
         **settings.of_stage("llm", "gguf_file", "device", "dtype", "cpu_threads", "max_new_tokens", "temperature"),
         **settings.of_stage("llm", "max_batch", "kv_cache_tokens"),
     )
+    warn_if_tools_unsupported(settings, llm)
+    return llm
+
+
+def warn_if_tools_unsupported(settings: Settings, llm: TransformersLLMEngine) -> bool:
+    """Say at start when tools are configured for a model that cannot call them (SmolLM2)."""
+    if settings.tools_configured and not llm.knows_tools:
+        logger.warning(
+            f"tools are configured (TOOLS_*, MCP_SERVERS) but {llm.name}'s chat template has none: the "
+            "model will never call them; conversations go on without. Use a tool-capable LLM_MODEL "
+            "(qwen2.5-coder-0.5b on CPU, Llama-3.1-8B-Instruct on GPU)."
+        )
+        return True
+    return False
 
 
 def load_tts(settings: Settings) -> PiperEngine | OrpheusEngine:

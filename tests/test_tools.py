@@ -5,14 +5,16 @@ extra); speech to and from the agent is real (Piper, and tiny.en as the judge).
 """
 
 import asyncio
+import sys
 import time
+from pathlib import Path
 from dataclasses import replace
 
 import pytest
 from pipecat.adapters.llm.schemas.function_schema import FunctionSchema
 
 from agent.app import create_app
-from agent.engines import load_llm
+from agent.engines import load_llm, warn_if_tools_unsupported
 from agent.livekit_dev_server import free_port
 from harness.caller import Microphone, WebSocketTransport
 from harness.local_session import LocalSession
@@ -139,3 +141,30 @@ async def test_goodbye_with_end_call_enabled_closes_the_websocket_from_the_serve
     assert "closed the WebSocket" in client.failure, client.failure
     goodbye = b"".join(h.audio for h in client.heard)
     assert "goodbye" in normalize((await engines.stt.transcribe(goodbye, client.rate)).text), "the agent hung up without its goodbye"
+
+
+MCP_SERVER = Path(__file__).resolve().parents[1] / "harness" / "mcp_opening_hours.py"
+
+
+async def test_a_tool_from_an_mcp_server_is_listed_and_called(tool_engines, say, tmp_path):
+    engines, settings = tool_engines
+    calls = tmp_path / "calls.txt"
+    with_mcp = settings.model_copy(update={"mcp_servers": f"{sys.executable} {MCP_SERVER} {calls}"})
+    async with LocalSession(engines, with_mcp) as session:
+        context = session.conversation.context
+        await until(
+            lambda: any(t.name == "opening_hours" for t in getattr(context.tools, "standard_tools", [])),
+            60,
+            "the MCP server's tool was never listed",
+        )
+        heard = await ask(session, engines, say, "What are your opening hours on Monday?")
+    assert calls.is_file() and "monday" in calls.read_text().lower(), "the MCP tool was never called"
+    assert any(w in normalize(heard).split() for w in ("nine", "9", "five", "5")), heard
+
+
+async def test_with_a_model_that_cannot_call_tools_there_is_a_warning_and_conversations_work(engines, settings, say):
+    with_tools = settings.model_copy(update={"tools_end_call": True})
+    assert warn_if_tools_unsupported(with_tools, engines.llm)  # the bundled SmolLM2: its template has no tools
+    async with LocalSession(engines, with_tools) as session:
+        heard = await ask(session, engines, say, "What is the capital of France?")
+    assert "paris" in normalize(heard), heard
