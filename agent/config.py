@@ -227,6 +227,10 @@ class Settings(BaseSettings):
         description="MCP servers whose tools the LLM may call, comma-separated: a streamable-HTTP URL "
         "(http://host:port/mcp) or a command that serves MCP on stdio (`python server.py`).",
     )
+    tool_filler: str = Field(
+        "One moment, please.", description="Said when a tool call takes longer than TOOL_FILLER_SECS; empty: nothing."
+    )
+    tool_filler_secs: float = Field(1.5, ge=0.0, description="How long a tool call runs before the filler is said.")
     goodbye: str = Field("Goodbye!", description="What the agent says as it ends a call with the end_call tool.")
     tools_transfer_call: bool = Field(
         False, description="Give the LLM the transfer_call tool: phone calls are transferred (REFER) to SIP_TRANSFER_TO."

@@ -1,6 +1,7 @@
 """One conversation: a transport plus the shared engines assembled into a Pipecat pipeline, and how it runs."""
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
@@ -66,6 +67,8 @@ class Conversation:
     assistant_aggregator: LLMAssistantAggregator
     turns: TurnMetricsObserver
     greeting: str = ""
+    tool_filler: str = ""  # said when a tool takes longer than tool_filler_secs ("One moment, please.")
+    tool_filler_secs: float = 1.5
     # Coroutines that run alongside the pipeline and are cancelled when it ends (see `background`).
     chores: list[Coroutine] = field(default_factory=list)
     background_tasks: set[asyncio.Task] = field(default_factory=set)  # started by tools (end_call)
@@ -86,10 +89,30 @@ class Conversation:
         `handler(params: FunctionCallParams)` (default: the one the schema carries, as MCP tools'
         do) is registered with the LLM service (`options` as for `LLMService.register_function`:
         cancel_on_interruption, timeout_secs)."""
-        self.llm.register_function(schema.name, handler or schema.handler, **options)
+        self.llm.register_function(schema.name, self._with_filler(handler or schema.handler), **options)
         tools = self.context.tools
         standard = list(tools.standard_tools) if isinstance(tools, ToolsSchema) else []
         self.context.set_tools(ToolsSchema(standard_tools=[*standard, schema]))
+
+    def _with_filler(self, handler):
+        """`handler`, saying `tool_filler` if it runs longer than `tool_filler_secs`: the user
+        hears that something is happening. A barge-in cancels the handler, and the filler with it."""
+        if not self.tool_filler:
+            return handler
+
+        @functools.wraps(handler)
+        async def with_filler(params):
+            async def filler():
+                await asyncio.sleep(self.tool_filler_secs)
+                await params.llm.push_frame(TTSSpeakFrame(self.tool_filler))
+
+            saying = asyncio.create_task(filler())
+            try:
+                await handler(params)
+            finally:
+                saying.cancel()
+
+        return with_filler
 
     async def end_after_speech_since(self, since: float, timeout: float, reason: str) -> None:
         """End the conversation once speech queued at `since` (time.monotonic()) has been played."""
@@ -253,6 +276,8 @@ def build_conversation(
         assistant_aggregator=assistant_aggregator,
         turns=turns,
         greeting=settings.greeting,
+        tool_filler=settings.tool_filler,
+        tool_filler_secs=settings.tool_filler_secs,
     )
     add_call_tools(conversation, settings)
     if settings.mcp_servers:

@@ -110,7 +110,8 @@ async def test_a_barge_in_while_a_slow_tool_runs_cancels_it_and_the_new_question
     async def book_table(params):
         started.set()
         try:
-            await asyncio.sleep(5.0)  # a slow booking system
+            # A slow booking system: 8 s, time for the filler to be said before the barge-in.
+            await asyncio.sleep(8.0)
         except asyncio.CancelledError:
             cancelled.set()
             raise
@@ -120,6 +121,12 @@ async def test_a_barge_in_while_a_slow_tool_runs_cancels_it_and_the_new_question
         session.conversation.add_tool(BOOK_TABLE, book_table)
         await session.speak(await say("Please book a table for two people tomorrow at seven in the evening, the name is Garcia."))
         await asyncio.wait_for(started.wait(), TOOL_SECS)
+        # The tool is slow: the agent says so while it runs.
+        since = session.now()
+        await until(lambda: session.played_audio(start=since), 30, "no filler while the slow tool ran")
+        await wait_for_reply(session, after=since, quiet=0.5)
+        filler = (await engines.stt.transcribe(session.played_audio(start=since), BOT_RATE)).text
+        assert "moment" in normalize(filler), filler
         answer = await ask(session, engines, say, "Sorry, forget that. What is the capital of France?")
         assert cancelled.is_set(), "the slow tool went on after the barge-in"
     assert "paris" in normalize(answer), answer
