@@ -264,7 +264,14 @@ class Settings(BaseSettings):
         None, description="Where a call is transferred (REFER) when the agent hands the caller on: a number (through SIP_TRUNK) or a sip: URI."
     )
     sip_echo_cancellation: bool = Field(
-        True, description="Cancel the agent's echo on phone calls (a handset or line echoes), whatever ECHO_CANCELLATION says."
+        False,
+        description=(
+            "Cancel the agent's echo on phone calls, whatever ECHO_CANCELLATION says. Off by default: "
+            "carriers and handsets cancel line echo themselves, and on a call with no echo AEC3 took "
+            "the caller's first seconds over the agent for echo (\"Sorry to cut you off\" heard as "
+            "\"Thank you. Thank you.\"), so barge-ins early in a reply were missed. Turn it on for "
+            "lines that echo the agent back."
+        ),
     )
 
     host: str = "127.0.0.1"

@@ -487,7 +487,7 @@ class SipEndpoint:
         self._admission = admission
         settings = admission.settings
         self._settings = settings
-        # A handset or phone line echoes the agent back: cancel it on calls unless turned off.
+        # Calls get their own echo setting (SIP_ECHO_CANCELLATION, off: carriers cancel line echo).
         self._call_settings = settings.model_copy(update={"echo_cancellation": settings.sip_echo_cancellation})
         self._sources = parse_sources(settings.sip_allowed_sources)
         self._digest = (
