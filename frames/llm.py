@@ -88,7 +88,8 @@ class TransformersLLMService(LLMService):
         tools = params.get("tools")
         tools = list(tools) if isinstance(tools, list) and tools and self._engine.knows_tools else None
         # A call a barge-in cancelled is left out, call and result: the user moved on, and a
-        # small model shown it books again what the user has just said to forget.
+        # small model shown it books again what the user has just said to forget. (Pipecat 1.14's
+        # assistant aggregator writes "CANCELLED" as such a call's result.)
         cancelled = {m.get("tool_call_id") for m in params["messages"] if m.get("role") == "tool" and m.get("content") == "CANCELLED"}
         messages = []
         for message in params["messages"]:
