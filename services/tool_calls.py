@@ -55,17 +55,7 @@ class ToolCallSplitter:
 def spoken_json(text: str) -> str:
     """JSON in `text` as words a voice can say: {"confirmation_code": "K7Q2"} → confirmation code K7Q2."""
     out, i = [], 0
-    decoder = json.JSONDecoder()
-    while i < len(text):
-        start = min((j for j in (text.find("{", i), text.find("[", i)) if j >= 0), default=-1)
-        if start < 0:
-            break
-        try:
-            value, end = decoder.raw_decode(text, start)
-        except json.JSONDecodeError:
-            out.append(text[i : start + 1])
-            i = start + 1
-            continue
+    for start, end, value in json_spans(text):
         out.append(text[i:start] + words_of(value))
         i = end
     out.append(text[i:])
@@ -107,6 +97,11 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
 
 def json_values(text: str):
     """The JSON objects and arrays in `text`, in order, skipping whatever is between them."""
+    return (value for _, _, value in json_spans(text))
+
+
+def json_spans(text: str):
+    """(start, end, value) of each JSON object or array in `text`, in order."""
     decoder = json.JSONDecoder()
     i = 0
     while i < len(text):
@@ -119,5 +114,5 @@ def json_values(text: str):
         except json.JSONDecodeError:
             i = start + 1
             continue
-        yield value
+        yield start, end, value
         i = end

@@ -113,6 +113,16 @@ async def call_and_be_greeted(agent, caller, since: int = 0):
     return conversation
 
 
+async def ask_and_hear_the_reply(phone: BaresipPhone, conversation, engines, say, question: str):
+    """Say `question` into the call and wait until the agent's reply has been spoken: its LLM log."""
+    speech_secs = await phone.speak(to_phone_rate(await say(question)))
+    llm = engines.llm.of(conversation)
+    await until(lambda: llm.replies, CALL_SECS, "the question never reached the LLM")
+    await asyncio.sleep(speech_secs)
+    await until(lambda: len(assistant_said(conversation)) >= 2 and not conversation.replying(), CALL_SECS, "the reply never ended")
+    return llm
+
+
 async def transcribe_heard(engines, audio: np.ndarray, rate: int) -> str:
     return (await engines.stt.transcribe(audio.tobytes(), rate)).text
 
@@ -128,11 +138,7 @@ async def test_a_phone_call_greets_hears_the_question_answers_it_and_ends_with_t
         conversation = await call_and_be_greeted(agent, caller)
 
         question = "What is the capital of France?"
-        speech_secs = await caller.speak(to_phone_rate(await say(question)))
-        llm = engines.llm.of(conversation)
-        await until(lambda: llm.replies, CALL_SECS, "the question never reached the LLM")
-        await asyncio.sleep(speech_secs)
-        await until(lambda: len(assistant_said(conversation)) >= 2 and not conversation.replying(), CALL_SECS, "the reply never ended")
+        llm = await ask_and_hear_the_reply(caller, conversation, engines, say, question)
 
         await caller.hang_up()
         hung_up_at = time.monotonic()
@@ -198,11 +204,7 @@ async def test_the_agent_calls_a_phone_speaks_first_and_answers_its_question(age
         await greeted(conversation)  # the agent speaks first
 
         question = "What is the capital of France?"
-        speech_secs = await callee.speak(to_phone_rate(await say(question)))
-        llm = engines.llm.of(conversation)
-        await until(lambda: llm.replies, CALL_SECS, "the question never reached the LLM")
-        await asyncio.sleep(speech_secs)
-        await until(lambda: len(assistant_said(conversation)) >= 2 and not conversation.replying(), CALL_SECS, "the reply never ended")
+        llm = await ask_and_hear_the_reply(callee, conversation, engines, say, question)
         await callee.hang_up()
         await until(lambda: not agent.state.sessions.active, CALL_SECS, "the conversation outlived the call")
     finally:
