@@ -18,6 +18,11 @@ GPU_LLM_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 ORPHEUS_MODEL = "canopylabs/orpheus-3b-0.1-ft"
 SNAC_MODEL = "hubertsiuzdak/snac_24khz"
 
+# The multilingual profile's voices: Kokoro's, one per language, all women's voices (French has
+# no other). Kokoro has no German or Korean voice.
+KOKORO_VOICE = "af_heart"  # TTS_ENGINE=kokoro's default TTS_VOICE
+KOKORO_VOICES = f"en={KOKORO_VOICE},es=ef_dora,fr=ff_siwis,it=if_sara,pt=pf_dora,zh=zf_xiaoxiao,ja=jf_alpha"
+
 # Secrets that libraries put into os.environ themselves: livekit-agents 1.8 copies its key, secret
 # and worker token there when its worker starts (`AgentServer.run`), so every child process would
 # inherit them.
@@ -29,7 +34,14 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_file=".env", env_file_encoding="utf-8", extra="ignore")
 
-    profile: Literal["cpu", "gpu"] = "cpu"
+    profile: Literal["cpu", "gpu", "multilingual"] = Field(
+        "cpu",
+        description=(
+            "cpu: English, bundled tiny.en, SmolLM2 and Piper. gpu: the large models on cuda. "
+            "multilingual (CPU): Whisper base detecting the language of each turn, Qwen2.5-0.5B "
+            "and Kokoro, answering in the user's language (TTS_VOICES)."
+        ),
+    )
     device: str = Field("cpu", description="Default torch/CTranslate2 device for every stage.")
     stt_device: str | None = Field(None, description="STT device; defaults to `device`.")
     llm_device: str | None = Field(None, description="LLM device; defaults to `device`.")
@@ -39,7 +51,13 @@ class Settings(BaseSettings):
         None, description="faster-whisper model name or directory; default: bundled tiny.en (cpu)."
     )
     stt_compute_type: str = Field("default", description="CTranslate2 compute type (int8 on cpu).")
-    stt_language: str | None = Field("en", description="Spoken language; empty for auto-detect.")
+    stt_language: str | None = Field(
+        None,
+        description=(
+            "Spoken language (Whisper's code: en, es, ...); empty to detect it in each turn. Default: "
+            "detect on the multilingual profile, en otherwise. Set, it pins the conversation's language."
+        ),
+    )
     stt_workers: int = Field(2, ge=1, description="Transcriptions run in parallel on the one model.")
     stt_beam_size: int = Field(1, ge=1, description="Whisper beam size (1 = greedy, the fastest).")
     stt_short_encode: bool = Field(
@@ -108,17 +126,25 @@ class Settings(BaseSettings):
         ),
     )
 
-    tts_engine: Literal["piper", "orpheus"] | None = Field(
-        None, description="piper or orpheus; default: orpheus on gpu, piper on cpu."
+    tts_engine: Literal["piper", "orpheus", "kokoro"] | None = Field(
+        None, description="piper, orpheus or kokoro; default: orpheus on gpu, kokoro on multilingual, piper on cpu."
     )
     tts_voice: str | None = Field(
         None,
         description=(
-            "Orpheus voice name (tara, leah, jess, leo, dan, mia, zac, zoe; default tara) or "
-            "Piper .onnx path (default: bundled en_US-joe-medium)."
+            "Orpheus voice name (tara, leah, jess, leo, dan, mia, zac, zoe; default tara), "
+            "Piper .onnx path (default: bundled en_US-joe-medium) or Kokoro voice, whose first letter "
+            "names its language (default af_heart)."
         ),
     )
-    tts_workers: int = Field(2, ge=1, description="Piper: sentences synthesized in parallel.")
+    tts_voices: str | None = Field(
+        None,
+        description=(
+            "A multilingual agent's voice for each language it answers in, `code=voice` comma-separated; "
+            f"default with Kokoro: {KOKORO_VOICES}. Its languages are the ones a turn may switch to."
+        ),
+    )
+    tts_workers: int = Field(2, ge=1, description="Piper, Kokoro: sentences synthesized in parallel.")
     orpheus_model: str = Field(ORPHEUS_MODEL, description="Orpheus LM: hub id or local directory.")
     snac_model: str = Field(SNAC_MODEL, description="SNAC 24 kHz codec: hub id or local directory.")
     tts_dtype: str = Field("auto", description="Orpheus LM dtype: auto (bfloat16 on cuda), float32, ...")
@@ -295,6 +321,12 @@ class Settings(BaseSettings):
         return ["*"]
 
     @property
+    def voice_by_language(self) -> dict[str, str]:
+        """TTS_VOICES as a mapping ({} when unset)."""
+        pairs = (item.split("=", 1) for item in (self.tts_voices or "").split(",") if "=" in item)
+        return {code.strip(): voice.strip() for code, voice in pairs}
+
+    @property
     def livekit_enabled(self) -> bool:
         return bool(self.livekit_url and self.livekit_api_key and self.livekit_api_secret)
 
@@ -313,21 +345,28 @@ class Settings(BaseSettings):
         self.stt_device = self.stt_device or self.device
         self.llm_device = self.llm_device or self.device
         self.tts_device = self.tts_device or self.device
+        multilingual = self.profile == "multilingual"
         if self.stt_model is None:
-            self.stt_model = (
-                GPU_STT_MODEL if self.profile == "gpu" else str(bundled.whisper_tiny_en())
+            self.stt_model = {"gpu": GPU_STT_MODEL, "multilingual": bundled.WHISPER_BASE}.get(self.profile) or str(
+                bundled.whisper_tiny_en()
             )
+        if self.stt_language is None:
+            self.stt_language = "" if multilingual else "en"
         if self.llm_model is None:
-            self.llm_model = GPU_LLM_MODEL if self.profile == "gpu" else str(bundled.smollm2_gguf())
+            self.llm_model = {"gpu": GPU_LLM_MODEL, "multilingual": bundled.QWEN_05B}.get(self.profile) or str(
+                bundled.smollm2_gguf()
+            )
         if self.llm_context_tokens is None:
             self.llm_context_tokens = 4096 if self.profile == "gpu" else 512
         if self.tts_engine is None:
-            self.tts_engine = "orpheus" if self.profile == "gpu" else "piper"
+            self.tts_engine = {"gpu": "orpheus", "multilingual": "kokoro"}.get(self.profile, "piper")
+        if self.tts_voices is None and self.tts_engine == "kokoro":
+            self.tts_voices = KOKORO_VOICES
         if self.tts_voice is None:
-            self.tts_voice = "tara" if self.tts_engine == "orpheus" else str(bundled.piper_joe())
+            self.tts_voice = {"orpheus": "tara", "kokoro": KOKORO_VOICE}.get(self.tts_engine) or str(bundled.piper_joe())
         if self.stt_compute_type == "default" and self.stt_device == "cpu":
             self.stt_compute_type = "int8"
-        if self.system_prompt is None and self.profile == "gpu":
+        if self.system_prompt is None and self.profile in ("gpu", "multilingual"):
             self.system_prompt = VOICE_SYSTEM_PROMPT
         if self.system_prompt == "":
             self.system_prompt = None

@@ -42,6 +42,7 @@ from frames.turn_taking.turn_models import SharedSileroVADAnalyzer, SharedSmartT
 from frames.turn_taking.turn_stop import SpeculativeTurnStopStrategy
 from services.audio import INPUT_SAMPLE_RATE, OUTPUT_SAMPLE_RATE
 from services.echo import EchoCanceller
+from services.languages import ConversationLanguage
 
 REPLY_QUIET_SECS = 2.5  # longer than the gap between two sentences of a reply on a busy CPU
 
@@ -147,6 +148,17 @@ class Conversation:
             await self.worker.queue_frames([TTSSpeakFrame(self.greeting)])
 
 
+def conversation_language(settings: Settings) -> ConversationLanguage | None:
+    """The language state of a multilingual conversation (TTS_VOICES names more than one
+    language, or STT_LANGUAGE is empty: detect); None for a one-language agent."""
+    voices = settings.voice_by_language
+    if len(voices) < 2 and settings.stt_language is not None:
+        return None
+    supported = tuple(voices) or (settings.stt_language or "en",)
+    pinned = settings.stt_language is not None
+    return ConversationLanguage(current=settings.stt_language or supported[0], supported=supported, pinned=pinned)
+
+
 def build_conversation(
     make_transport: TransportFactory,
     engines: Engines,
@@ -220,15 +232,17 @@ def build_conversation(
             sink.observe_tts_sentence(audio_seconds, wall_seconds)
 
     guard = InputAudioGuard(on_drop=on_audio_dropped)
-    stt = WhisperSTTService(engines.stt, short_encode=settings.stt_short_encode)
+    language = conversation_language(settings)
+    stt = WhisperSTTService(engines.stt, short_encode=settings.stt_short_encode, language=language)
     llm = TransformersLLMService(
         engines.llm,
         system_prompt=settings.system_prompt,
         max_tokens=settings.llm_max_new_tokens,
         max_sentences=settings.reply_max_sentences,
         context_tokens=settings.llm_context_tokens,
+        language=language,
     )
-    tts = LocalTTSService(engines.tts, on_sentence=on_sentence)
+    tts = LocalTTSService(engines.tts, on_sentence=on_sentence, language=language, voices=settings.voice_by_language)
     pipeline = Pipeline(
         [
             transport.input(),

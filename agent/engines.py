@@ -3,6 +3,7 @@
 import asyncio
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from loguru import logger
 
@@ -15,12 +16,15 @@ from services.orpheus.engine import OrpheusEngine
 from services.stt import WhisperEngine
 from services.tts_piper import PiperEngine
 
+if TYPE_CHECKING:  # kokoro-onnx comes with the `multilingual` extra: imported when TTS_ENGINE=kokoro
+    from services.tts_kokoro import KokoroEngine
+
 
 @dataclass
 class Engines:
     stt: WhisperEngine
     llm: TransformersLLMEngine
-    tts: PiperEngine | OrpheusEngine
+    tts: "PiperEngine | OrpheusEngine | KokoroEngine"
     ready: bool = False
 
     def by_stage(self) -> dict[str, Engine]:
@@ -49,11 +53,14 @@ def load_engines(settings: Settings) -> Engines:
         import os
 
         os.environ.setdefault("HF_TOKEN", settings.hf_token.get_secret_value())
-    stt = WhisperEngine(
-        settings.stt_model,
+    return Engines(stt=load_stt(settings), llm=load_llm(settings), tts=load_tts(settings))
+
+
+def load_stt(settings: Settings) -> WhisperEngine:
+    return WhisperEngine(
+        bundled.stt_path(settings.stt_model, settings.cache_dir),
         **settings.of_stage("stt", "device", "compute_type", "workers", "language", "beam_size"),
     )
-    return Engines(stt=stt, llm=load_llm(settings), tts=load_tts(settings))
 
 
 def load_llm(settings: Settings) -> TransformersLLMEngine:
@@ -79,7 +86,7 @@ def warn_if_tools_unsupported(settings: Settings, llm: TransformersLLMEngine) ->
     return False
 
 
-def load_tts(settings: Settings) -> PiperEngine | OrpheusEngine:
+def load_tts(settings: Settings) -> "PiperEngine | OrpheusEngine | KokoroEngine":
     if settings.tts_engine == "orpheus":
         return OrpheusEngine.load(
             settings.orpheus_model,
@@ -87,6 +94,15 @@ def load_tts(settings: Settings) -> PiperEngine | OrpheusEngine:
             **settings.of_stage("tts", "device", "dtype", "compile", "voice", "temperature", "top_p"),
             **settings.of_stage("tts", "max_streams", "kv_cache_tokens"),
             **{f"snac_{name}": value for name, value in settings.of_stage("snac", "max_batch", "max_wait_ms").items()},
+        )
+    if settings.tts_engine == "kokoro":
+        from services.tts_kokoro import KokoroEngine
+
+        return KokoroEngine(
+            bundled.kokoro_model(settings.cache_dir),
+            bundled.kokoro_voices(settings.cache_dir),
+            voice=settings.tts_voice,
+            workers=settings.tts_workers,
         )
     return PiperEngine(
         settings.tts_voice,

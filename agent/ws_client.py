@@ -47,6 +47,7 @@ class Reply:
     """What the agent said in answer to one user turn."""
 
     heard: str = ""  # the user's words, as the agent transcribed them
+    language: str | None = None  # the language the agent heard them in (a multilingual agent)
     text: str = ""  # the agent's words, as it spoke them
     audio: bytearray = field(default_factory=bytearray)  # PCM16 at OUTPUT_RATE
 
@@ -155,6 +156,7 @@ class VoiceClient:
             kind = event.get("type")
             if kind == "user-transcription" and data.get("final"):
                 self._reply.heard = f"{self._reply.heard} {data.get('text', '')}".strip()
+                self._reply.language = data.get("language") or self._reply.language
             elif kind == "bot-tts-text":  # one word, as it is played
                 self._reply.text = f"{self._reply.text} {data.get('text', '')}".strip()
             elif kind == "interrupted":

@@ -18,6 +18,7 @@ from pipecat.processors.frame_processor import FrameDirection
 from pipecat.services.llm_service import LLMService
 from pipecat.services.settings import LLMSettings
 
+from services.languages import LANGUAGE_NAMES, ConversationLanguage
 from services.llm import TransformersLLMEngine
 from services.tool_calls import ToolCall, spoken_json
 
@@ -49,6 +50,7 @@ class TransformersLLMService(LLMService):
         max_tokens: int | None = None,
         max_sentences: int | None = None,
         context_tokens: int | None = None,
+        language: ConversationLanguage | None = None,
         **kwargs,
     ):
         super().__init__(
@@ -70,6 +72,7 @@ class TransformersLLMService(LLMService):
         self._engine = engine
         self._max_sentences = max_sentences or None
         self._context_tokens = context_tokens  # prompt budget: older turns are left out
+        self._language = language  # a multilingual agent: the reply is in the user's language
         self.requests = 0  # engine requests this conversation made: numbers their ids
         self.generating = False
         self.last_output_at = 0.0  # time.monotonic() of the latest text generated
@@ -111,10 +114,10 @@ class TransformersLLMService(LLMService):
             elif role == "tool" and tools:
                 messages.append({"role": "tool", "content": content})
         if tools:
-            if messages and messages[0]["role"] == "system":
-                messages[0] = {"role": "system", "content": f"{messages[0]['content']}\n\n{TOOL_GUIDANCE}"}
-            else:
-                messages.insert(0, {"role": "system", "content": TOOL_GUIDANCE})
+            add_system_note(messages, TOOL_GUIDANCE)
+        if self._language is not None:
+            name = LANGUAGE_NAMES.get(self._language.current, self._language.current)
+            add_system_note(messages, f"The user speaks {name}. Always answer in {name}.")
         return messages, tools
 
     def sentences_for(self, messages: list[dict]) -> int | None:
@@ -183,6 +186,14 @@ class TransformersLLMService(LLMService):
             self.generating = False
             await self.stop_processing_metrics()
             await self.push_frame(LLMFullResponseEndFrame())
+
+
+def add_system_note(messages: list[dict], note: str) -> None:
+    """`note` at the end of the system prompt (the start of the chat when there is none)."""
+    if messages and messages[0]["role"] == "system":
+        messages[0] = {"role": "system", "content": f"{messages[0]['content']}\n\n{note}"}
+    else:
+        messages.insert(0, {"role": "system", "content": note})
 
 
 def template_tool_call(function: dict) -> dict:

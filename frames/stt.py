@@ -22,7 +22,8 @@ from pipecat.utils.time import time_now_iso8601
 
 from frames.pipecat_internals import segment_in_progress, set_stt_pre_roll, transcribe_segment_head
 from services.audio import AudioFormatError
-from services.stt import WhisperEngine
+from services.languages import ConversationLanguage
+from services.stt import Transcript, WhisperEngine
 
 # Audio kept from before the VAD says the user started speaking. The VAD runs downstream, in the
 # user aggregator, so its start event reaches this service after the audio it marks; on a loaded
@@ -41,9 +42,15 @@ class WhisperSTTService(SegmentedSTTService):
     length; one heard while the agent was speaking always gets Whisper's full window: the barge-in
     policy stops the agent for words, and a short encoding writes words for a hum ("Mhm." → "and
     may chant."); the full window rarely does (bench.stt_window).
+
+    With `language` (a multilingual agent), each turn's language is detected and decides the
+    conversation's (`ConversationLanguage`); a turn it does not switch to is transcribed again in
+    the conversation's language. The transcript carries the language the reply is to be in.
     """
 
-    def __init__(self, engine: WhisperEngine, *, short_encode: bool, **kwargs):
+    def __init__(
+        self, engine: WhisperEngine, *, short_encode: bool, language: ConversationLanguage | None = None, **kwargs
+    ):
         super().__init__(
             settings=STTSettings(model=engine.model_name, language=engine.language),
             # p99 of end-of-speech → transcript on 2 CPU cores with tiny.en; the turn-stop
@@ -53,6 +60,7 @@ class WhisperSTTService(SegmentedSTTService):
         )
         self._engine = engine
         self._short_encode = short_encode
+        self._language = language
         self._bot_speaking = False
         self._segment_over_bot = False  # the agent spoke during the segment being heard
 
@@ -87,9 +95,7 @@ class WhisperSTTService(SegmentedSTTService):
     async def run_stt(self, audio: bytes) -> AsyncGenerator[Frame, None]:
         await self.start_processing_metrics()
         try:
-            transcript = await self._engine.transcribe(
-                audio, self.sample_rate, short=self._short_encode and not self._segment_over_bot
-            )
+            transcript = await self._transcribe(audio)
         except AudioFormatError as e:
             logger.error(f"{self}: rejected audio segment: {e}")
             yield ErrorFrame(error=f"STT rejected audio: {e}")
@@ -109,6 +115,18 @@ class WhisperSTTService(SegmentedSTTService):
                 language=_language(transcript.language),
                 result=transcript,
             )
+
+    async def _transcribe(self, audio: bytes) -> Transcript:
+        short = self._short_encode and not self._segment_over_bot
+        if self._language is None or self._language.pinned:
+            language = self._language.current if self._language else None
+            return await self._engine.transcribe(audio, self.sample_rate, short=short, language=language)
+        transcript = await self._engine.transcribe(audio, self.sample_rate)  # detects the language
+        language = self._language.decide(transcript.language_probabilities, transcript.text)
+        if language != transcript.language:
+            logger.debug(f"{self}: [{transcript.text}] heard as {transcript.language}, kept in {language}")
+            transcript = await self._engine.transcribe(audio, self.sample_rate, language=language)
+        return transcript
 
 
 def quietest_point(pcm: bytearray, sample_rate: int, search_secs: float = 1.0, window_secs: float = 0.02) -> int:

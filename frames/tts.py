@@ -14,6 +14,7 @@ from pipecat.utils.text.base_text_aggregator import Aggregation, TextType
 from pipecat.utils.text.simple_text_aggregator import SimpleTextAggregator
 
 from frames.pipecat_internals import use_text_aggregator
+from services.languages import ConversationLanguage
 
 
 
@@ -23,7 +24,7 @@ class SpeechEngine(Protocol):
     sample_rate: int
     voice: str
 
-    def stream(self, text: str) -> AsyncIterator[bytes]: ...
+    def stream(self, text: str, *, voice: str | None = None) -> AsyncIterator[bytes]: ...
 
 
 def estimate_word_times(text: str, start: float, duration: float) -> list[tuple[str, float]]:
@@ -74,7 +75,15 @@ class LocalTTSService(TTSService):
     SNAC windows), so a cut-off reply stops costing compute at once.
     """
 
-    def __init__(self, engine: SpeechEngine, *, on_sentence=None, **kwargs):
+    def __init__(
+        self,
+        engine: SpeechEngine,
+        *,
+        on_sentence=None,
+        language: ConversationLanguage | None = None,
+        voices: dict[str, str] | None = None,
+        **kwargs,
+    ):
         super().__init__(
             push_text_frames=False,  # text follows the audio word by word (word timestamps)
             push_start_frame=True,
@@ -85,6 +94,9 @@ class LocalTTSService(TTSService):
         use_text_aggregator(self, SpeakableChunkAggregator())
         self._engine = engine
         self._on_sentence = on_sentence  # on_sentence(audio_seconds, wall_seconds), e.g. for metrics
+        # A multilingual agent speaks each reply in the voice of the conversation's language.
+        self._language = language
+        self._voices = voices or {}
         # Seconds of audio already produced in each audio context: word timestamps count
         # from the start of the context (one reply), not from the start of each sentence.
         self._context_seconds: dict[str, float] = {}
@@ -100,7 +112,8 @@ class LocalTTSService(TTSService):
         try:
             # aclosing: when Pipecat stops this generator, the engine's stream closes at once
             # (cancelling its batched request) instead of whenever it is garbage collected.
-            async with aclosing(self._engine.stream(text)) as audio, aclosing(
+            voice = self._voices.get(self._language.current) if self._language else None
+            async with aclosing(self._engine.stream(text, voice=voice)) as audio, aclosing(
                 self._stream_audio_frames_from_iterator(
                     audio, in_sample_rate=self._engine.sample_rate, context_id=context_id
                 )

@@ -54,6 +54,22 @@ class LLMLog:
                 yield output
 
 
+class SpeechLog:
+    """The real TTS engine, recording the voice and text of every stream it is asked for
+    (`spoken`, in order); everything else is the engine's own."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.spoken: list[tuple[str | None, str]] = []
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def stream(self, text: str, *, voice: str | None = None, **kwargs) -> AsyncIterator[bytes]:
+        self.spoken.append((voice, text))
+        return self.engine.stream(text, voice=voice, **kwargs)
+
+
 def with_llm_log(engines: Engines) -> Engines:
     """The same engines, the LLM wrapped in an LLMLog (`engines.llm.of(conversation)`)."""
     return replace(engines, llm=LLMLog(engines.llm))

@@ -24,3 +24,15 @@ if [ ! -f "$stamp" ]; then
     rm -f .venv/.installed-*
     touch "$stamp"
 fi
+if [[ ",$extras," == *",multilingual,"* ]]; then
+    # Kokoro's voices are on npm only (kokoro-js); npm checks the tarball's integrity, and
+    # services/bundled.py its pinned sha256 when it turns the voices into kokoro-onnx's archive.
+    kokoro_js=.venv/share/kokoro-js
+    if [ ! -f "$kokoro_js/kokoro-js-1.2.1.tgz" ]; then
+        mkdir -p "$kokoro_js.tmp"
+        npm pack --silent --pack-destination "$kokoro_js.tmp" "kokoro-js@1.2.1" >/dev/null
+        mkdir -p "$kokoro_js"
+        mv "$kokoro_js.tmp/kokoro-js-1.2.1.tgz" "$kokoro_js/"
+        rm -rf "$kokoro_js.tmp"
+    fi
+fi

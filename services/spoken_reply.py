@@ -4,8 +4,9 @@ import re
 
 # A sentence ends at . ! or ? (with any closing quote or bracket) and the space after it, so
 # "3.5" and a reply still being generated ("Paris.") are not cut early. The space goes with the
-# sentence: it tells the voice downstream that the sentence is over.
-SENTENCE_END = re.compile(r"[.!?]+[\"'”’)\]]*\s")
+# sentence: it tells the voice downstream that the sentence is over. Chinese and Japanese end a
+# sentence at 。！？ with no space after.
+SENTENCE_END = re.compile(r"[.!?]+[\"'”’)\]]*\s|[。！？]+[」』”’）)]*")
 REPEAT_WORDS = 4  # a run of this many words said twice is a reply looping on itself
 
 

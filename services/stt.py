@@ -36,6 +36,8 @@ class Transcript:
     audio_seconds: float
     processing_seconds: float
     segments: list[TranscriptSegment] = field(default_factory=list)
+    # Whisper's language probabilities, most likely first, when the language was detected.
+    language_probabilities: list[tuple[str, float]] = field(default_factory=list)
 
 
 class WhisperEngine:
@@ -86,26 +88,33 @@ class WhisperEngine:
         # Lifetime counts: transcriptions by how they were encoded, and short encodings that
         # looked wrong and were redone on the full window.
         self.short_encodes = self.full_window_encodes = self.fallbacks = 0
+        self.detections = 0  # transcriptions that detected the language
         self.in_flight = 0  # submitted and not finished: queued on the pool or running
 
-    async def transcribe(self, pcm: bytes, sample_rate: int, *, short: bool = False) -> Transcript:
-        """Transcribe mono PCM16 audio; resamples to 16 kHz when needed. `short`: encode it at its
-        own length rather than in Whisper's padded 30 s window (see `_transcribe_short`; needs a
-        fixed language, else ignored)."""
+    async def transcribe(
+        self, pcm: bytes, sample_rate: int, *, short: bool = False, language: str | None = None
+    ) -> Transcript:
+        """Transcribe mono PCM16 audio; resamples to 16 kHz when needed.
+
+        `language`: the language spoken; default the engine's (STT_LANGUAGE), and when neither is
+        set Whisper detects it. `short`: encode the audio at its own length rather than in
+        Whisper's padded 30 s window (see `_transcribe_short`; only in the engine's own language).
+        """
         audio = pcm16_to_float(pcm, sample_rate, WHISPER_SAMPLE_RATE)
         loop = asyncio.get_running_loop()
         self.in_flight += 1
         try:
-            return await loop.run_in_executor(self._pool, self._transcribe_sync, audio, short)
+            return await loop.run_in_executor(self._pool, self._transcribe_sync, audio, short, language or self.language)
         finally:
             self.in_flight -= 1
 
-    def _transcribe_sync(self, audio: np.ndarray, short: bool) -> Transcript:
+    def _transcribe_sync(self, audio: np.ndarray, short: bool, language: str | None) -> Transcript:
         started = time.perf_counter()
         duration = audio.size / WHISPER_SAMPLE_RATE
         if audio.size == 0:
-            return Transcript("", self.language or "en", 0.0, 0.0, 0.0)
-        if short and self._tokenizer is not None and duration + SHORT_PAD_SECS <= WINDOW_SECS:
+            return Transcript("", language or "en", 0.0, 0.0, 0.0)
+        short = short and language == self.language and self._tokenizer is not None
+        if short and duration + SHORT_PAD_SECS <= WINDOW_SECS:
             text = self._transcribe_short(audio)
             if text is not None:
                 self.short_encodes += 1
@@ -118,9 +127,10 @@ class WhisperEngine:
                     segments=[TranscriptSegment(0.0, duration, text)] if text else [],
                 )
             self.fallbacks += 1
+        self.detections += language is None
         segments, info = self._model.transcribe(
             audio,
-            language=self.language,
+            language=language,
             beam_size=self.beam_size,
             condition_on_previous_text=False,
             vad_filter=False,  # Silero already cut the turn; a second VAD only adds latency
@@ -134,6 +144,7 @@ class WhisperEngine:
             audio_seconds=duration,
             processing_seconds=time.perf_counter() - started,
             segments=parts,
+            language_probabilities=[(code, float(p)) for code, p in info.all_language_probs or []],
         )
 
     async def warmup(self) -> None:

@@ -43,8 +43,11 @@ class PiperEngine:
         self.syntheses += 1
         return float_to_pcm16(audio)
 
-    async def stream(self, text: str) -> AsyncIterator[bytes]:
-        """Yield mono PCM16 at `self.sample_rate`, one chunk per sentence of `text`."""
+    async def stream(self, text: str, *, voice: str | None = None) -> AsyncIterator[bytes]:
+        """Yield mono PCM16 at `self.sample_rate`, one chunk per sentence of `text`. A Piper model
+        is one voice: `voice` may only name it."""
+        if voice not in (None, self.voice):
+            raise ValueError(f"Piper model {self.voice} has no voice {voice!r}; load that voice's model instead")
         loop = asyncio.get_running_loop()
         self.in_flight += 1
         try:

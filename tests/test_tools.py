@@ -14,13 +14,14 @@ import pytest
 from pipecat.adapters.llm.schemas.function_schema import FunctionSchema
 
 from agent.app import create_app
-from agent.engines import load_llm, warn_if_tools_unsupported
+from agent.engines import warn_if_tools_unsupported
 from agent.livekit_dev_server import free_port
 from harness.caller import Microphone, WebSocketTransport
 from harness.local_session import LocalSession
 from harness.observe import LLMLog
 from harness.serving import serving
 from harness.speech import normalize
+from services.bundled import QWEN_05B
 from tests.test_conversation import BOT_RATE, wait_for_reply
 
 BOOK_TABLE = FunctionSchema(
@@ -39,13 +40,10 @@ TOOL_SECS = 120  # a call, its handler and the spoken reply on a busy 2-core mac
 
 
 @pytest.fixture(scope="module")
-async def tool_engines(engines, settings):
+def tool_engines(engines, settings, tool_llm):
     """The suite's STT and voice with the tool-capable LLM, and settings that name it."""
-    tool_settings = settings.model_copy(update={"llm_model": "qwen2.5-coder-0.5b", "llm_max_new_tokens": 64})
-    llm = await asyncio.to_thread(load_llm, tool_settings)
-    await llm.warmup()
-    yield replace(engines, llm=LLMLog(llm)), tool_settings
-    llm.close()
+    tool_settings = settings.model_copy(update={"llm_model": QWEN_05B, "llm_max_new_tokens": 64})
+    return replace(engines, llm=LLMLog(tool_llm)), tool_settings
 
 
 async def until(condition, timeout: float, what: str) -> None:
