@@ -61,15 +61,13 @@ class Settings(BaseSettings):
     stt_workers: int = Field(2, ge=1, description="Transcriptions run in parallel on the one model.")
     stt_beam_size: int = Field(1, ge=1, description="Whisper beam size (1 = greedy, the fastest).")
     stt_short_encode: bool = Field(
-        False,
+        True,
         description=(
             "Encode a turn spoken into silence in a window of its own length (at least 10 s) rather "
             "than Whisper's padded 30 s one: 0.17 s instead of 0.51 s a turn on 2 CPU cores, the same "
             "word error rate over bench.stt_window's phrases; a result that looks like a loop is redone "
-            "on the full window. Needs STT_LANGUAGE. Sounds heard while the agent speaks keep the full "
-            "window (a short encoding writes words for a hum, and words stop the agent). Off by "
-            "default: in the suite it heard \"How many legs does a spider have?\" as \"How many likes "
-            "does the spider have?\" every time."
+            "on the full window. Only in STT_LANGUAGE's language. Sounds heard while the agent speaks "
+            "keep the full window (a short encoding writes words for a hum, and words stop the agent)."
         ),
     )
 
@@ -146,6 +144,16 @@ class Settings(BaseSettings):
     )
     tts_workers: int = Field(2, ge=1, description="Piper, Kokoro: sentences synthesized in parallel.")
     orpheus_model: str = Field(ORPHEUS_MODEL, description="Orpheus LM: hub id or local directory.")
+    orpheus_models: str | None = Field(
+        None,
+        description=(
+            "Orpheus LMs for other languages, `code=hub id or directory` comma-separated, e.g. "
+            "fr=canopylabs/3b-fr-ft-research_release (canopylabs' research release: fr, de, es_it, zh, "
+            "ko, hi); a reply in the voice TTS_VOICES gives such a language is spoken by its model, any "
+            "other by ORPHEUS_MODEL. Each model has its own TTS_MAX_STREAMS batch and TTS_KV_CACHE_TOKENS "
+            "cache; one SNAC decodes for all."
+        ),
+    )
     snac_model: str = Field(SNAC_MODEL, description="SNAC 24 kHz codec: hub id or local directory.")
     tts_dtype: str = Field("auto", description="Orpheus LM dtype: auto (bfloat16 on cuda), float32, ...")
     tts_temperature: float = Field(0.6, gt=0, description="Orpheus sampling temperature.")
@@ -323,8 +331,12 @@ class Settings(BaseSettings):
     @property
     def voice_by_language(self) -> dict[str, str]:
         """TTS_VOICES as a mapping ({} when unset)."""
-        pairs = (item.split("=", 1) for item in (self.tts_voices or "").split(",") if "=" in item)
-        return {code.strip(): voice.strip() for code, voice in pairs}
+        return _by_language(self.tts_voices)
+
+    @property
+    def orpheus_model_by_language(self) -> dict[str, str]:
+        """ORPHEUS_MODELS as a mapping ({} when unset)."""
+        return _by_language(self.orpheus_models)
 
     @property
     def livekit_enabled(self) -> bool:
@@ -373,6 +385,12 @@ class Settings(BaseSettings):
         if self.stt_language == "":
             self.stt_language = None
         return self
+
+
+def _by_language(value: str | None) -> dict[str, str]:
+    """`code=item,...` (TTS_VOICES, ORPHEUS_MODELS) as a mapping ({} when unset)."""
+    pairs = (entry.split("=", 1) for entry in (value or "").split(",") if "=" in entry)
+    return {code.strip(): item.strip() for code, item in pairs}
 
 
 def scrub_secrets_from_environment() -> list[str]:

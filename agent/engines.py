@@ -12,6 +12,7 @@ from services import bundled
 from services.batcher import DynamicBatcher
 from services.engine import Engine
 from services.llm import TransformersLLMEngine
+from services.orpheus.by_language import OrpheusByLanguage
 from services.orpheus.engine import OrpheusEngine
 from services.stt import WhisperEngine
 from services.tts_piper import PiperEngine
@@ -24,7 +25,7 @@ if TYPE_CHECKING:  # kokoro-onnx comes with the `multilingual` extra: imported w
 class Engines:
     stt: WhisperEngine
     llm: TransformersLLMEngine
-    tts: "PiperEngine | OrpheusEngine | KokoroEngine"
+    tts: "PiperEngine | OrpheusEngine | OrpheusByLanguage | KokoroEngine"
     ready: bool = False
 
     def by_stage(self) -> dict[str, Engine]:
@@ -32,7 +33,7 @@ class Engines:
 
     def batchers(self) -> dict[str, DynamicBatcher]:
         """The dynamic batchers inside the engines, by name (for queue and batch-size metrics)."""
-        return {"snac": self.tts.snac.batcher} if isinstance(self.tts, OrpheusEngine) else {}
+        return {"snac": self.tts.snac.batcher} if isinstance(self.tts, (OrpheusEngine, OrpheusByLanguage)) else {}
 
     async def warmup(self) -> None:
         """Run each engine once so the first user does not pay for kernel compilation."""
@@ -86,15 +87,22 @@ def warn_if_tools_unsupported(settings: Settings, llm: TransformersLLMEngine) ->
     return False
 
 
-def load_tts(settings: Settings) -> "PiperEngine | OrpheusEngine | KokoroEngine":
+def load_tts(settings: Settings) -> "PiperEngine | OrpheusEngine | OrpheusByLanguage | KokoroEngine":
     if settings.tts_engine == "orpheus":
-        return OrpheusEngine.load(
-            settings.orpheus_model,
-            settings.snac_model,
+        kwargs = {
             **settings.of_stage("tts", "device", "dtype", "compile", "voice", "temperature", "top_p"),
             **settings.of_stage("tts", "max_streams", "kv_cache_tokens"),
             **{f"snac_{name}": value for name, value in settings.of_stage("snac", "max_batch", "max_wait_ms").items()},
-        )
+        }
+        if settings.orpheus_model_by_language:  # ORPHEUS_MODELS: a model per language, one SNAC
+            return OrpheusByLanguage.load(
+                settings.orpheus_model,
+                settings.orpheus_model_by_language,
+                settings.snac_model,
+                voices=settings.voice_by_language,
+                **kwargs,
+            )
+        return OrpheusEngine.load(settings.orpheus_model, settings.snac_model, **kwargs)
     if settings.tts_engine == "kokoro":
         from services.tts_kokoro import KokoroEngine
 

@@ -13,6 +13,8 @@ LANGUAGE_NAMES = {
     "zh": "Chinese",
     "ja": "Japanese",
     "hi": "Hindi",
+    "de": "German",  # Orpheus has a German checkpoint (ORPHEUS_MODELS); Kokoro has no German voice
+    "ko": "Korean",
 }
 
 # Han, kana and Devanagari are written without spaces between words (Devanagari has them, but

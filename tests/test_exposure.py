@@ -1,7 +1,7 @@
 """What the HTTP side shows a stranger: with API_KEY set nothing opens without it, bad input gets a 4xx, nothing leaks."""
 
 import asyncio
-import time
+import json
 
 import httpx
 import numpy as np
@@ -109,23 +109,35 @@ async def test_session_requests_are_rate_limited_per_client(livekit_url, engines
     assert codes == [200, 200, 200, 429], codes
 
 
-async def test_a_client_that_sends_no_audio_is_let_go(engines, settings):
+async def test_a_websocket_holds_no_slot_until_its_first_audio_and_is_let_go_when_audio_stops(engines, settings):
     agent_settings = settings.model_copy(update={"port": free_port(), "no_audio_timeout_secs": 3.0})
+    url = f"ws://127.0.0.1:{agent_settings.port}/ws"
     async with serving(create_app(agent_settings, engines), agent_settings.port) as app:
-        async with connect(f"ws://127.0.0.1:{agent_settings.port}/ws") as ws:
+        # Connected and announced, but no audio: no slot, and let go at the deadline with a reason.
+        async with connect(url) as idle:
+            await idle.send(json.dumps({"type": "start", "sample_rate": 16000}))
+            await asyncio.sleep(1.0)
+            assert app.state.sessions.active == 0
+            error = json.loads(await asyncio.wait_for(idle.recv(), timeout=60))
+            assert error["type"] == "error" and "no audio" in error["message"], error
+            with pytest.raises(ConnectionClosed):
+                await asyncio.wait_for(idle.recv(), timeout=60)
+        # Audio takes a slot; when it stops, the conversation ends and the slot is free again.
+        async with connect(url) as stops:
+            await stops.send(bytes(640))  # 20 ms of silence
             for _ in range(100):
                 if app.state.sessions.active == 1:
                     break
                 await asyncio.sleep(0.1)
             assert app.state.sessions.active == 1
-            with pytest.raises(ConnectionClosed):  # the agent ends it; nothing is ever sent
+            with pytest.raises(ConnectionClosed):  # the agent ends it; nothing more is sent
                 while True:
-                    await asyncio.wait_for(ws.recv(), timeout=60)
+                    await asyncio.wait_for(stops.recv(), timeout=60)
         for _ in range(100):
             if app.state.sessions.active == 0:
                 break
             await asyncio.sleep(0.1)
-        assert app.state.sessions.active == 0  # the slot is free again
+        assert app.state.sessions.active == 0
 
 
 async def test_an_answered_offer_holds_no_slot_until_its_peer_connects(engines, settings, say):
@@ -151,10 +163,10 @@ async def test_an_answered_offer_holds_no_slot_until_its_peer_connects(engines, 
 
 
 async def test_junk_offers_and_silent_sockets_cannot_keep_a_user_out(engines, settings, say):
-    """8 junk offers, offers whose peer never connects, and 8 silent sockets: a real user still gets
-    in once the no-audio deadline has passed, and is answered."""
+    """8 junk offers, offers whose peer never connects, and 8 silent sockets hold no slot: a real
+    user is admitted at once and answered, and the silent sockets are let go at the deadline."""
     no_audio_secs = 5.0
-    agent_settings = settings.model_copy(update={"port": free_port(), "no_audio_timeout_secs": no_audio_secs})
+    agent_settings = settings.model_copy(update={"port": free_port(), "no_audio_timeout_secs": no_audio_secs, "max_sessions": 2})
     async with serving(create_app(agent_settings, engines), agent_settings.port) as app:
         address = f"127.0.0.1:{agent_settings.port}"
         async with httpx.AsyncClient(base_url=f"http://{address}") as http:
@@ -168,31 +180,14 @@ async def test_junk_offers_and_silent_sockets_cannot_keep_a_user_out(engines, se
                 offer = {"sdp": peer.localDescription.sdp, "type": "offer"}
                 assert (await http.post("/api/offer", json=offer)).status_code == 200
         silent = [await connect(f"ws://{address}/ws") for _ in range(8)]
-        capacity = app.state.sessions.capacity
-        for _ in range(100):
-            if app.state.sessions.active == capacity:
-                break
-            await asyncio.sleep(0.1)
-        assert app.state.sessions.active == capacity  # every slot taken
+        await asyncio.sleep(1.0)
+        assert app.state.sessions.active == 0  # none of them holds a slot
 
-        filled = time.monotonic()
-        attempts = 0
-        while True:
-            attempts += 1
-            try:
-                async with VoiceClient(f"ws://{address}/ws") as user:
-                    await asyncio.sleep(1.0)
-                    if not user.closed:
-                        reply = await user.ask(await say("What is the capital of France?"))
-                        break
-                    assert "in use" in user.events[-1]["message"], user.events
-            except ConnectionClosed as refused:  # closed before the client's first message went out
-                assert refused.rcvd.code == 1013, refused
-            assert time.monotonic() - filled < no_audio_secs + 30, "the user was kept out past the deadline"
-        assert attempts > 1  # refused while the slots were held, then admitted
-        assert "paris" in normalize(reply.text), reply.text
+        async with VoiceClient(f"ws://{address}/ws") as user:
+            reply = await user.ask(await say("What is the capital of France?"))
+        assert "paris" in normalize(reply.text), (reply.text, user.events)
         for ws in silent:
-            with pytest.raises(ConnectionClosed):  # each silent socket was let go (or refused at once)
+            with pytest.raises(ConnectionClosed):  # each silent socket is let go at the deadline
                 while True:
                     await asyncio.wait_for(ws.recv(), timeout=30)
         for peer in peers:

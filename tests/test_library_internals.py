@@ -165,3 +165,13 @@ def test_torch_still_runs_4bit_groups_on_its_int4_cpu_kernel():
     # bf16 activations, scales and zeros: within a percent of the layer's output scale.
     assert (got - expected).abs().max() < 0.01 * expected.abs().max(), (got - expected).abs().max()
     assert Int4Linear.from_linear(torch.nn.Linear(128, 96)) is None, "fp32 weights taken for 4-bit"
+
+
+def test_pipecats_websocket_transport_still_reads_every_message_with_receive():
+    # agent.transports.websocket.ReplayedWebSocket hands back the messages read before admission
+    # through `receive()`: a transport reading another way would skip them.
+    from pipecat.transports.websocket import fastapi as pipecat_fastapi
+
+    source = inspect.getsource(pipecat_fastapi)
+    assert "await self._websocket.receive()" in source
+    assert not any(f"_websocket.{way}" in source for way in ("iter_bytes", "iter_text", "receive_bytes", "receive_text", "receive_json"))

@@ -2,6 +2,7 @@
 
 import asyncio
 import threading
+from contextlib import aclosing
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from agent.config import Settings
 from agent.engines import Engines, load_tts
 from harness.local_session import LocalSession
 from services.batcher import DynamicBatcher
+from services.orpheus.by_language import OrpheusByLanguage
 from services.orpheus.engine import OrpheusEngine
 from services.orpheus.text import max_new_tokens_for, normalize_text, prompt_ids, split_for_speech
 from services.orpheus.tokens import AUDIO_BASE, END_OF_HUMAN, END_OF_SPEECH, END_OF_TEXT, START_OF_AI, START_OF_HUMAN, START_OF_SPEECH, OrpheusCodeMask, OrpheusTokenParser, audio_token
@@ -297,3 +299,69 @@ async def test_real_weight_loading_path(tmp_path):
         assert len(pcm) > 0 and len(pcm) % (SAMPLES_PER_FRAME * 2) == 0
     finally:
         engine.close()
+
+
+async def test_a_model_per_language_loaded_by_path_on_one_snac(tmp_path):
+    """ORPHEUS_MODELS: two saved checkpoints (en, fr) through load_tts; each voice runs on its language's model."""
+    en_dir, snac_dir = save_tiny_orpheus(tmp_path)
+    fr_dir = tmp_path / "orpheus-fr"
+    build_tiny_orpheus_lm(seed=1).save_pretrained(fr_dir)
+    build_tiny_tokenizer().save_pretrained(fr_dir)
+    settings = Settings(
+        _env_file=None, tts_engine="orpheus", device="cpu", orpheus_model=str(en_dir), orpheus_models=f"fr={fr_dir}",
+        snac_model=str(snac_dir), tts_voices="en=tara,fr=pierre", tts_kv_cache_tokens=4096,
+    )  # fmt: skip
+    assert settings.orpheus_model_by_language == {"fr": str(fr_dir)}
+    snac_loads, lm_loads = SnacDecoder.loads, OrpheusEngine.loads
+    engine = load_tts(settings)
+    try:
+        assert isinstance(engine, OrpheusByLanguage)
+        en, fr = engine.default, engine.by_language["fr"]
+        assert (SnacDecoder.loads - snac_loads, OrpheusEngine.loads - lm_loads) == (1, 2)
+        assert en.snac is fr.snac is engine.snac
+        assert Engines(stt=None, llm=None, tts=engine).batchers() == {"snac": engine.snac.batcher}
+        # Each model is the one saved in its own directory.
+        assert en.model.name_or_path == str(en_dir) and fr.model.name_or_path == str(fr_dir)
+        assert torch.equal(en.model.model.embed_tokens.weight, build_tiny_orpheus_lm(seed=0).model.embed_tokens.weight)
+        assert torch.equal(fr.model.model.embed_tokens.weight, build_tiny_orpheus_lm(seed=1).model.embed_tokens.weight)
+        assert (en.voice, fr.voice, fr.lang) == ("tara", "pierre", "fr") and engine.voice == "tara"
+        assert "/" not in engine.name  # /health shows voices, never paths
+
+        # "pierre" streams on the French model, "tara" (and a voice TTS_VOICES does not name) on the English one.
+        for voice, runs_on, idle in (("pierre", fr, en), ("tara", en, fr), ("zoe", en, fr)):
+            started, idle_started = runs_on.generator.stats.started, idle.generator.stats.started
+            async with aclosing(engine.stream("Hi.", voice=voice)) as audio:
+                async for _ in audio:
+                    assert (runs_on.in_flight, idle.in_flight, engine.in_flight) == (1, 0, 1)
+                    break
+            assert runs_on.generator.stats.started == started + 1 and idle.generator.stats.started == idle_started
+            assert engine.in_flight == 0  # closing the stream cancelled its request
+
+        # Cancelling the French stream by id stops it and leaves the English one whole.
+        cancelled = fr.generator.stats.cancelled
+        first_audio, chunks = asyncio.Event(), []
+
+        async def french():
+            text = "Bonjour, ceci est coupé après le premier son."
+            async for pcm in engine.stream(text, voice="pierre", request_id="fr-1"):
+                chunks.append(pcm)
+                first_audio.set()
+
+        cut = asyncio.create_task(french())
+        english = asyncio.create_task(engine.synthesize("Hello there, this one plays to the very end.", voice="tara"))
+        await asyncio.wait_for(first_audio.wait(), timeout=60)
+        assert (fr.in_flight, en.in_flight) == (1, 1)
+        engine.cancel("fr-1")
+        cancelled_at = len(chunks)
+        assert fr.in_flight == 0 and en.in_flight == 1
+        await asyncio.wait_for(cut, timeout=10)  # ended by itself, at once
+        assert len(chunks) - cancelled_at <= 1  # at most the window already being decoded
+        assert fr.generator.stats.cancelled == cancelled + 1
+        pcm = await asyncio.wait_for(english, timeout=120)
+        assert len(pcm) > 0 and len(pcm) % (SAMPLES_PER_FRAME * 2) == 0
+        assert engine.in_flight == 0 and en.stats.misplaced_tokens == fr.stats.misplaced_tokens == 0
+    finally:
+        engine.close()
+    # A language with a model but no voice could never be reached: refused before anything loads.
+    with pytest.raises(ValueError, match="no voice"):
+        load_tts(settings.model_copy(update={"orpheus_models": f"de={fr_dir}"}))

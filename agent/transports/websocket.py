@@ -26,6 +26,9 @@ from services.audio import INPUT_SAMPLE_RATE
 MAX_AUDIO_MESSAGE_BYTES = 64000  # 2 s of 16 kHz PCM16; clients send 20-100 ms at a time
 MAX_TEXT_MESSAGE_CHARS = 4096
 WS_MAX_MESSAGE_BYTES = 2 * MAX_AUDIO_MESSAGE_BYTES  # past this the server refuses a message unread
+# A connection holds no conversation slot until its first audio message, which must come within
+# NO_AUDIO_TIMEOUT_SECS, the deadline that also ends a conversation whose audio stops.
+MAX_MESSAGES_BEFORE_AUDIO = 8  # a `start`, maybe a few more; the rest is a client doing something else
 # How far a client's audio may run ahead of real time. Clients stream as they record, so this only
 # absorbs network jitter and a client's pre-roll; past it the server stops reading (back-pressure).
 MAX_AUDIO_AHEAD_SECS = 3.0
@@ -73,6 +76,9 @@ class PCMJsonSerializer(FrameSerializer):
         they are spoken) and `bot-stopped-speaking` (the end of a response);
       - `interrupted`: the user cut in; drop any agent audio not yet played;
       - `error` (`message`): a message was refused; the connection stays usable.
+
+    The conversation (and its slot, and the greeting) starts with the first audio message; a
+    connection that sends none within `NO_AUDIO_TIMEOUT_SECS` gets `error` and is closed (1008).
 
     Refused messages (text that is not a JSON object, unknown types, a declared rate other than
     16 kHz, audio with an odd byte count or over 2 s) are answered with `error` and dropped.
@@ -124,11 +130,46 @@ def origin_allowed(origin: str, host: str | None, settings) -> bool:
     return urlsplit(origin).netloc == host or origin.rstrip("/") in allowed
 
 
+class ReplayedWebSocket:
+    """The client's WebSocket, handing back first the messages read before the conversation was
+    admitted; everything else is the WebSocket's own. Pipecat's transport (1.14) reads every
+    message with `receive()` (tests/test_library_internals.py checks it still does)."""
+
+    def __init__(self, websocket: WebSocket, early: list[dict]):
+        self._websocket = websocket
+        self._early = early
+
+    async def receive(self) -> dict:
+        return self._early.pop(0) if self._early else await self._websocket.receive()
+
+    def __getattr__(self, name):
+        return getattr(self._websocket, name)
+
+
+async def messages_until_audio(websocket: WebSocket, deadline_secs: float) -> list[dict] | None:
+    """The client's messages up to and including its first audio, or None when it sends no audio
+    within `deadline_secs` (or too much else first, or leaves)."""
+    messages: list[dict] = []
+    deadline = time.monotonic() + deadline_secs
+    while len(messages) <= MAX_MESSAGES_BEFORE_AUDIO:
+        try:
+            message = await asyncio.wait_for(websocket.receive(), max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            return None
+        if message["type"] == "websocket.disconnect":
+            return None
+        messages.append(message)
+        if message.get("bytes") is not None:
+            return messages
+    return None
+
+
 def add_websocket_route(app: FastAPI, admission: Admission) -> None:
     @app.websocket("/ws")
     async def websocket_session(websocket: WebSocket, authorization: str | None = Header(None)):
         """A conversation over one plain WebSocket, for hosts that expose only HTTP. It lasts as
-        long as the connection: one per client, for every turn."""
+        long as the connection: one per client, for every turn. The slot is taken at the first
+        audio message, so an idle connection holds none."""
         origin = websocket.headers.get("origin")
         if origin is not None and not origin_allowed(origin, websocket.headers.get("host"), admission.settings):
             await websocket.close(code=1008)  # before accepting: the page gets an HTTP 403
@@ -136,16 +177,23 @@ def add_websocket_route(app: FastAPI, admission: Admission) -> None:
         await websocket.accept()
         name = f"ws-{secrets.token_hex(4)}"
         try:
+            # A connection waiting for its first audio costs a socket and this coroutine, no more.
+            admission.check("websocket", authorization)
+            deadline_secs = admission.settings.no_audio_timeout_secs
+            early = await messages_until_audio(websocket, deadline_secs)
+            if early is None:
+                await refuse(websocket, 1008, f"no audio within {deadline_secs:.0f} s of connecting")
+                return
+            # The key was checked; a slot may have gone to someone else while this client got going.
             engines = admission.admit("websocket", name, authorization)
         except HTTPException as e:
-            await websocket.send_json({"type": "error", "message": e.detail})
-            await websocket.close(code=1008 if e.status_code == 401 else 1013)  # policy / try again later
+            await refuse(websocket, 1008 if e.status_code == 401 else 1013, e.detail)  # policy / try again later
             return
 
         def build():
             conversation = build_conversation(
                 lambda audio: FastAPIWebsocketTransport(
-                    websocket, FastAPIWebsocketParams(**audio, serializer=PCMJsonSerializer())
+                    ReplayedWebSocket(websocket, early), FastAPIWebsocketParams(**audio, serializer=PCMJsonSerializer())
                 ),
                 engines,
                 admission.settings,
@@ -155,3 +203,11 @@ def add_websocket_route(app: FastAPI, admission: Admission) -> None:
             return conversation
 
         await admission.serve(name, build)
+
+
+async def refuse(websocket: WebSocket, code: int, message: str) -> None:
+    try:
+        await websocket.send_json({"type": "error", "message": message})
+        await websocket.close(code=code)
+    except (RuntimeError, OSError):  # the client has gone already
+        pass

@@ -119,11 +119,7 @@ class OrpheusEngine:
         **engine_kwargs,
     ) -> "OrpheusEngine":
         """Load the LM and SNAC from hub ids or local directories (the same call for both kinds)."""
-        started = time.perf_counter()
-        tokenizer = AutoTokenizer.from_pretrained(model_source)
-        model = AutoModelForCausalLM.from_pretrained(model_source, dtype=resolve_dtype(dtype, device))
-        model = model.to(device).eval()
-        logger.info(f"Orpheus LM {model_source} loaded on {device} in {time.perf_counter() - started:.1f}s")
+        model, tokenizer = load_lm(model_source, device=device, dtype=dtype)
         snac = SnacDecoder.load(
             snac_source,
             device=snac_device or device,
@@ -195,3 +191,13 @@ class OrpheusEngine:
     def close(self) -> None:
         self.generator.close()
         self.snac.close()
+
+
+def load_lm(source: str, *, device: str, dtype: str):
+    """An Orpheus LM and its tokenizer from a hub id or a local directory, ready on `device`."""
+    started = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=resolve_dtype(dtype, device))
+    model = model.to(device).eval()
+    logger.info(f"Orpheus LM {source} loaded on {device} in {time.perf_counter() - started:.1f}s")
+    return model, tokenizer
