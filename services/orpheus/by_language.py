@@ -39,24 +39,19 @@ class OrpheusByLanguage:
         snac_source: str,
         *,
         voices: dict[str, str],
-        voice: str,
         device: str,
         dtype: str,
-        compile: bool,
-        snac_max_batch: int,
-        snac_max_wait_ms: float,
-        snac_device: str | None = None,
-        **engine_kwargs,
+        **load_kwargs,
     ) -> "OrpheusByLanguage":
-        """The default model and SNAC as `OrpheusEngine.load` loads them, then each other language's
-        model (`sources`: code → hub id or directory) on the same SNAC, speaking in `voices[code]`."""
+        """The default model and SNAC as `OrpheusEngine.load` loads them (with `load_kwargs`), then
+        each other language's model (`sources`: code → hub id or directory) on the same SNAC,
+        speaking in `voices[code]`."""
         unvoiced = sorted(set(sources) - set(voices))
         if unvoiced:
             raise ValueError(f"Orpheus models for {unvoiced} but no voice for them: no reply would reach them")
-        default = OrpheusEngine.load(
-            default_source, snac_source, device=device, dtype=dtype, compile=compile, snac_max_batch=snac_max_batch,
-            snac_max_wait_ms=snac_max_wait_ms, snac_device=snac_device, voice=voice, **engine_kwargs,
-        )  # fmt: skip
+        default = OrpheusEngine.load(default_source, snac_source, device=device, dtype=dtype, **load_kwargs)
+        # What each engine is built with, less what only loading the default and SNAC takes.
+        engine_kwargs = {k: v for k, v in load_kwargs.items() if k not in ("voice", "compile") and not k.startswith("snac_")}
         loaded = {default_source: default}
         for code, source in sources.items():
             if source not in loaded:
