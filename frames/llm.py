@@ -102,7 +102,11 @@ class TransformersLLMService(LLMService):
             content = message.get("content") or ""
             if not isinstance(content, str):  # multi-part content: keep the text parts
                 content = " ".join(p.get("text", "") for p in content if isinstance(p, dict))
-            if role in ("system", "developer", "user"):
+            if role == "user" and messages and messages[-1]["role"] == "user":
+                # A turn split at a pause, its reply withdrawn: one message, as it was said. Shown
+                # two, the 0.5B model answered the last alone ("Goodbye!" instead of end_call).
+                messages[-1] = {"role": "user", "content": f"{messages[-1]['content']} {content}".strip()}
+            elif role in ("system", "developer", "user"):
                 messages.append({"role": "system" if role == "developer" else role, "content": content})
             elif role == "assistant" and message.get("tool_calls"):
                 # Chat templates take a call's arguments as a mapping, not OpenAI's JSON string.

@@ -5,6 +5,9 @@ import asyncio
 import pytest
 import torch
 
+from pipecat.processors.aggregators.llm_context import LLMContext
+
+from frames.llm import TransformersLLMService
 from harness.local_session import LocalSession
 from services.int4_linear import Int4Linear
 from services.llm import TransformersLLMEngine
@@ -173,3 +176,12 @@ async def test_interruption_stops_audio_cancels_llm_and_cuts_context(engines, se
 
 if __name__ == "__main__":
     pytest.main([__file__, "-x", "-q"])
+
+
+async def test_a_turn_split_at_a_pause_reaches_the_model_as_one_message(engines):
+    # Smart-turn may end a turn at a pause ("Thank you." ... "That's all. Goodbye."); the withdrawn
+    # reply leaves two user messages in the context, which the model is shown as the one they were.
+    llm = TransformersLLMService(engines.llm, system_prompt=None)
+    context = LLMContext(messages=[{"role": "user", "content": "Thank you."}, {"role": "user", "content": "That's all. Goodbye."}])
+    messages, _ = await llm.chat_messages(context)
+    assert [m for m in messages if m["role"] == "user"] == [{"role": "user", "content": "Thank you. That's all. Goodbye."}]
