@@ -198,6 +198,8 @@ def build_conversation(
         ),
         canceller,
     )
+    language = conversation_language(settings)
+    stt = WhisperSTTService(engines.stt, short_encode=settings.stt_short_encode, language=language)
     context = LLMContext()
     user_aggregator, assistant_aggregator = LLMContextAggregatorPair(
         context,
@@ -207,7 +209,8 @@ def build_conversation(
                     start_secs=settings.vad_start_secs,
                     stop_secs=settings.vad_stop_secs,
                     min_volume=settings.vad_min_volume,
-                )
+                ),
+                pause_listener=stt,  # transcribes a segment in the quiet before its stop
             ),
             # Start: see BargeInTurnStartStrategy. Stop: when smart-turn v3.2 (local ONNX)
             # judges the turn complete and every speech segment is transcribed; its model shared
@@ -231,9 +234,6 @@ def build_conversation(
         for sink in metrics:
             sink.observe_tts_sentence(audio_seconds, wall_seconds)
 
-    guard = InputAudioGuard(on_drop=on_audio_dropped)
-    language = conversation_language(settings)
-    stt = WhisperSTTService(engines.stt, short_encode=settings.stt_short_encode, language=language)
     llm = TransformersLLMService(
         engines.llm,
         system_prompt=settings.system_prompt,
@@ -242,6 +242,7 @@ def build_conversation(
         context_tokens=settings.llm_context_tokens,
         language=language,
     )
+    guard = InputAudioGuard(on_drop=on_audio_dropped)
     tts = LocalTTSService(engines.tts, on_sentence=on_sentence, language=language, voices=settings.voice_by_language)
     pipeline = Pipeline(
         [

@@ -1,6 +1,8 @@
 """Pipecat STT service over the shared WhisperEngine: one VAD segment in, one transcript out."""
 
+import asyncio
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 
 import numpy as np
 from loguru import logger
@@ -33,6 +35,16 @@ PRE_ROLL_SECS = 3.0
 # Longest stretch of speech transcribed at once: Whisper's own window. A user who talks on without
 # a pause is transcribed every 30 s, so neither the buffer nor one transcription grows with them.
 MAX_SEGMENT_SECS = 30.0
+# Silence appended to each segment, so Whisper hears its last word end (Pipecat's default).
+TRAILING_SILENCE_SECS = 0.5
+
+
+@dataclass
+class EarlyTranscript:
+    """A segment's transcription started when the user paused, before the VAD's stop."""
+
+    pcm: bytes  # the segment as it was at the pause
+    task: asyncio.Task
 
 
 class WhisperSTTService(SegmentedSTTService):
@@ -42,6 +54,11 @@ class WhisperSTTService(SegmentedSTTService):
     length; one heard while the agent was speaking always gets Whisper's full window: the barge-in
     policy stops the agent for words, and a short encoding writes words for a hum ("Mhm." → "and
     may chant."); the full window rarely does (bench.stt_window).
+
+    A segment is transcribed as soon as the user pauses (`user_paused`, from the VAD analyzer),
+    not after the VAD's 0.2 s of quiet that ends it: when the stop comes with no speech since the
+    pause, the early transcript is the segment's, and the reply starts ~0.2 s sooner. Speech
+    before the stop throws it away (`user_resumed`).
 
     With `language` (a multilingual agent), each turn's language is detected and decides the
     conversation's (`ConversationLanguage`); a turn it does not switch to is transcribed again in
@@ -56,6 +73,7 @@ class WhisperSTTService(SegmentedSTTService):
             # p99 of end-of-speech → transcript on 2 CPU cores with tiny.en; the turn-stop
             # strategies wait this long for a transcript before giving up on it.
             ttfs_p99_latency=0.8,
+            trailing_silence_secs=TRAILING_SILENCE_SECS,
             **kwargs,
         )
         self._engine = engine
@@ -63,6 +81,8 @@ class WhisperSTTService(SegmentedSTTService):
         self._language = language
         self._bot_speaking = False
         self._segment_over_bot = False  # the agent spoke during the segment being heard
+        self._early: EarlyTranscript | None = None
+        self.early_transcripts_used = self.early_transcripts_dropped = 0
 
     async def setup(self, setup: FrameProcessorSetup):
         await super().setup(setup)
@@ -90,12 +110,53 @@ class WhisperSTTService(SegmentedSTTService):
         if segment is not None and len(segment) >= MAX_SEGMENT_SECS * self.sample_rate * 2:
             cut = quietest_point(segment, self.sample_rate)
             logger.debug(f"{self}: {MAX_SEGMENT_SECS:.0f}s of speech without a pause, transcribing {cut / (2 * self.sample_rate):.1f}s of it")
+            self._drop_early()
             await transcribe_segment_head(self, VADUserStoppedSpeakingFrame(), cut)
+
+    def user_paused(self) -> None:
+        """The user paused (see PauseListener): transcribe the segment so far, in case the pause ends it."""
+        segment = segment_in_progress(self)
+        if segment is None:
+            return
+        self._drop_early()
+        pcm = bytes(segment)
+        # A plain task, not Pipecat's create_task: that one logs and swallows the engine's errors,
+        # and run_stt reports them as it does for a segment transcribed at the stop.
+        task = asyncio.create_task(self._transcribe(pcm + _silence(TRAILING_SILENCE_SECS, self.sample_rate)))
+        self._early = EarlyTranscript(pcm, task)
+
+    def user_resumed(self) -> None:
+        """The user spoke again before the VAD's stop: the early transcript misses those words."""
+        self._drop_early()
+
+    def _drop_early(self) -> None:
+        early, self._early = self._early, None
+        if early is None:
+            return
+        self.early_transcripts_dropped += 1
+        if early.task.done():
+            if not early.task.cancelled():
+                early.task.exception()  # retrieved, so asyncio does not log it as lost
+        else:
+            early.task.cancel()  # still queued for a worker: it never costs compute
+
+    async def _transcribe_segment(self, audio: bytes) -> Transcript:
+        """`audio`'s transcript: the early one if it was made of this segment (no speech since)."""
+        early = self._early
+        if early is not None and audio.startswith(early.pcm):
+            self._early = None
+            self.early_transcripts_used += 1
+            return await early.task
+        return await self._transcribe(audio)
+
+    async def cleanup(self):
+        self._drop_early()
+        await super().cleanup()
 
     async def run_stt(self, audio: bytes) -> AsyncGenerator[Frame, None]:
         await self.start_processing_metrics()
         try:
-            transcript = await self._transcribe(audio)
+            transcript = await self._transcribe_segment(audio)
         except AudioFormatError as e:
             logger.error(f"{self}: rejected audio segment: {e}")
             yield ErrorFrame(error=f"STT rejected audio: {e}")
@@ -140,6 +201,10 @@ def quietest_point(pcm: bytearray, sample_rate: int, search_secs: float = 1.0, w
         return len(pcm)
     energy = (tail.reshape(-1, window) ** 2).mean(axis=1)
     return 2 * (start + int(np.argmin(energy)) * window + window // 2)
+
+
+def _silence(seconds: float, sample_rate: int) -> bytes:
+    return b"\x00\x00" * int(seconds * sample_rate)
 
 
 def _language(code: str) -> Language | None:

@@ -44,27 +44,76 @@ def estimate_word_times(text: str, start: float, duration: float) -> list[tuple[
     return times
 
 
+# The first chunk of a reply may go to the voice before its sentence ends, after this many words:
+# ~1 s of speech, time enough for the rest of the sentence to be generated and synthesized...
+FIRST_CHUNK_WORDS = 4
+# ...provided the reply's words arrive at least this fast (~4x speaking pace). Slower (a busy
+# machine) and the first sentence is spoken whole, as every later one is: a chunk spoken before
+# the rest of its sentence was ready left a gap inside the sentence.
+FIRST_CHUNK_WORDS_PER_SEC = 12.0
+
+
 class SpeakableChunkAggregator(SimpleTextAggregator):
     """Pipecat's sentence aggregation, except that a sentence end followed by a space ends the
-    sentence at once.
+    sentence at once, and the first words of a reply may go ahead of their sentence.
 
     The LLM service releases a reply sentence by sentence (services/spoken_reply.py), each with
     the space after it; Pipecat's aggregator would hold a finished sentence until the next one's
     first letter arrived, i.e. until the LLM had generated all of the next sentence.
-    Going further (the first clause, or the subject, before the sentence ends) started speech
-    ~0.3 s sooner but left gaps inside sentences whenever the LLM fell behind on a loaded machine:
-    tried and not kept.
+
+    The listener waits for the first words, so a reply's first FIRST_CHUNK_WORDS words are spoken
+    as soon as they are in, when the text is arriving fast enough that the rest of the sentence
+    will be ready before they have been said (FIRST_CHUNK_WORDS_PER_SEC); otherwise the first
+    sentence waits for its end like the others.
 
     Extends SimpleTextAggregator through the hook its docstring offers subclasses
     (`_check_sentence_with_lookahead`) and its buffer `_text`.
     """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._reply_spoken = False  # a chunk of this reply went to the voice
+        self._first_text_at: float | None = None  # when this reply's first words arrived
+        self._first_text_words = 0
+
+    async def aggregate(self, text: str) -> AsyncIterator[Aggregation]:
+        if self._first_text_at is None and text.strip():
+            self._first_text_at, self._first_text_words = time.monotonic(), len(text.split())
+        async for aggregation in super().aggregate(text):
+            self._reply_spoken = True
+            yield aggregation
 
     async def _check_sentence_with_lookahead(self, char: str, *, protected_end: int = 0) -> Aggregation | None:
         sentence = await super()._check_sentence_with_lookahead(char, protected_end=protected_end)
         if sentence is None and char.isspace() and self._text.rstrip().endswith(tuple(SENTENCE_ENDING_PUNCTUATION)):
             text, self._text = self._text.strip(), ""
             sentence = Aggregation(text=text, type=TextType.SENTENCE) if text else None
+        if sentence is None and char.isspace() and not self._reply_spoken and self._first_words_ready():
+            sentence, self._text = Aggregation(text=self._text.strip(), type=TextType.SENTENCE), ""
         return sentence
+
+    def _first_words_ready(self) -> bool:
+        words = len(self._text.split())
+        if words < FIRST_CHUNK_WORDS or self._first_text_at is None:
+            return False
+        arrived = words - self._first_text_words  # the words that came after the first text
+        elapsed = time.monotonic() - self._first_text_at
+        return arrived > 0 and arrived >= elapsed * FIRST_CHUNK_WORDS_PER_SEC
+
+    def _new_reply(self) -> None:
+        self._reply_spoken, self._first_text_at, self._first_text_words = False, None, 0
+
+    async def flush(self) -> Aggregation | None:
+        self._new_reply()  # the LLM's reply is over
+        return await super().flush()
+
+    async def handle_interruption(self):
+        self._new_reply()
+        await super().handle_interruption()
+
+    async def reset(self):
+        self._new_reply()
+        await super().reset()
 
 
 class LocalTTSService(TTSService):

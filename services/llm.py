@@ -14,7 +14,7 @@ from loguru import logger
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from services.batched_generation import ContinuousBatchGenerator, resolve_dtype
-from services.int4_linear import pack_4bit_linear_layers
+from services.quantized_linear import pack_4bit_linear_layers, quantize_output_layer
 from services.spoken_reply import SpokenReply
 from services.tool_calls import ToolCall, ToolCallSplitter
 
@@ -95,6 +95,8 @@ class TransformersLLMEngine:
         if device == "cpu" and dtype == "auto":
             packed, kept = pack_4bit_linear_layers(model)
             loaded_as += f", {packed} of {packed + kept} Linear layers on the int4 kernel"
+            if quantize_output_layer(model):
+                loaded_as += ", the output layer on the int8 kernel"
         logger.info(f"LLM {source} loaded on {device} as {loaded_as} in {time.perf_counter() - started:.1f}s")
         return cls(model, tokenizer, name=Path(source).name or source, **engine_kwargs)
 

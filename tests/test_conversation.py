@@ -9,7 +9,7 @@ from pipecat.processors.aggregators.llm_context import LLMContext
 
 from frames.llm import TransformersLLMService
 from harness.local_session import LocalSession
-from services.int4_linear import Int4Linear
+from services.quantized_linear import Int4Linear, Int8Linear
 from services.llm import TransformersLLMEngine
 from services.stt import WhisperEngine
 from services.tts_piper import PiperEngine
@@ -109,13 +109,16 @@ async def test_two_conversations_share_one_copy_of_each_model(engines, settings,
     assert user_messages(a) != user_messages(b)
 
 
-def test_the_bundled_llm_decodes_on_the_int4_kernel(engines, settings):
+def test_the_bundled_llm_decodes_on_the_quantized_kernels(engines, settings):
     # The bundled GGUF is Q4_1: every layer but the output (tied to the 8-bit embeddings) is exactly
-    # 4-bit after transformers de-quantizes it. If that changes, decoding silently doubles in time.
+    # 4-bit after transformers de-quantizes it, and the output runs in int8. If that changes,
+    # decoding silently slows by half or more.
     assert settings.llm_dtype == "auto" and settings.llm_device == "cpu"
-    layers = [m for m in engines.llm.model.modules() if isinstance(m, (torch.nn.Linear, Int4Linear))]
+    model = engines.llm.model
+    layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, Int4Linear, Int8Linear))]
     assert [type(m) for m in layers].count(Int4Linear) == len(layers) - 1, "layers left in fp32"
-    assert type(engines.llm.model.lm_head) is torch.nn.Linear
+    assert type(model.lm_head) is Int8Linear
+    assert model.get_input_embeddings().weight.dtype == torch.float32  # the lookup keeps its own copy
 
 
 async def test_interruption_stops_audio_cancels_llm_and_cuts_context(engines, settings, say):

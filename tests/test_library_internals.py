@@ -23,7 +23,7 @@ from frames.turn_taking.turn_models import SharedSileroVADAnalyzer, SharedSmartT
 from frames.turn_taking.turn_stop import SpeculativeTurnStopStrategy
 from harness.orpheus_models import build_random_snac
 from services.batched_generation import insert_logits_processors
-from services.int4_linear import GROUP, Int4Linear
+from services.quantized_linear import GROUP, Int4Linear, Int8Linear
 from services.orpheus.snac import PositionalNoise, SnacDecoder
 
 
@@ -147,7 +147,7 @@ async def test_a_transport_still_declares_and_fires_its_events_through_the_hooks
 
 
 def test_torch_still_runs_4bit_groups_on_its_int4_cpu_kernel():
-    # services.int4_linear.Int4Linear: aten._convert_weight_to_int4pack_for_cpu and
+    # services.quantized_linear.Int4Linear: aten._convert_weight_to_int4pack_for_cpu and
     # aten._weight_int4pack_mm_for_cpu, with (code - 8) * scale + zero per group of 32.
     torch.manual_seed(0)
     codes = torch.randint(0, 16, (96, 128)).float()
@@ -165,6 +165,19 @@ def test_torch_still_runs_4bit_groups_on_its_int4_cpu_kernel():
     # bf16 activations, scales and zeros: within a percent of the layer's output scale.
     assert (got - expected).abs().max() < 0.01 * expected.abs().max(), (got - expected).abs().max()
     assert Int4Linear.from_linear(torch.nn.Linear(128, 96)) is None, "fp32 weights taken for 4-bit"
+
+
+def test_torch_still_runs_8bit_rows_on_its_int8_cpu_kernel():
+    # services.quantized_linear.Int8Linear: aten._weight_int8pack_mm, int8 weights with a bf16
+    # scale per output row.
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(128, 96, bias=True)
+    packed = Int8Linear(layer)
+    x = torch.randn(2, 3, 128)
+    with torch.inference_mode():
+        expected, got = layer(x), packed(x)
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max() < 0.02 * expected.abs().max(), (got - expected).abs().max()
 
 
 def test_pipecats_websocket_transport_still_reads_every_message_with_receive():

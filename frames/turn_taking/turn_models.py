@@ -2,12 +2,13 @@
 
 import threading
 from importlib.resources import files
+from typing import Protocol
 
 import onnxruntime as ort
 from pipecat.audio.turn.smart_turn.base_smart_turn import BaseSmartTurn
 from pipecat.audio.turn.smart_turn.local_smart_turn_v3 import LocalSmartTurnAnalyzerV3
 from pipecat.audio.vad.silero import SileroVADAnalyzer
-from pipecat.audio.vad.vad_analyzer import VADAnalyzer, VADParams
+from pipecat.audio.vad.vad_analyzer import VADAnalyzer, VADParams, VADState
 
 from frames.pipecat_internals import silero_model_on, use_smart_turn_session
 
@@ -32,14 +33,59 @@ def _session(model: str) -> ort.InferenceSession:
         return _sessions[model]
 
 
-class SharedSileroVADAnalyzer(SileroVADAnalyzer):
-    """Pipecat's Silero VAD; the recurrent state stays per conversation, the model session is shared."""
+# How long the user must have been quiet before a pause is announced (see PauseListener): two
+# Silero windows. A pause between words is often shorter; each one announced costs an early
+# transcription that the user's next word throws away.
+PAUSE_SECS = 0.064
 
-    def __init__(self, *, sample_rate: int | None = None, params: VADParams | None = None):
+
+class PauseListener(Protocol):
+    """Told when the user pauses, before the VAD's stop: the pause may end the speech segment."""
+
+    def user_paused(self) -> None: ...
+
+    def user_resumed(self) -> None: ...
+
+
+class SharedSileroVADAnalyzer(SileroVADAnalyzer):
+    """Pipecat's Silero VAD; the recurrent state stays per conversation, the model session is shared.
+
+    The VAD ends a segment after `stop_secs` of quiet (0.2 s). A `pause_listener` hears of the quiet
+    PAUSE_SECS into it, and again if the user speaks before the stop, so that work on the segment
+    (its transcription) can start during the quiet instead of after it.
+    """
+
+    def __init__(
+        self,
+        *,
+        sample_rate: int | None = None,
+        params: VADParams | None = None,
+        pause_listener: PauseListener | None = None,
+    ):
         VADAnalyzer.__init__(self, sample_rate=sample_rate, params=params)  # not the parent: it loads a model
         self._model = silero_model_on(_session(str(files("pipecat.audio.vad.data") / "silero_vad.onnx")))
         self._windows_since_reset = 0
         self._low_confidence_windows = 0
+        self._pause_listener = pause_listener
+        self._quiet_secs = 0.0  # audio heard since speech dipped (the STOPPING state)
+        self._paused = False
+
+    async def analyze_audio(self, buffer: bytes) -> VADState:
+        state = await super().analyze_audio(buffer)
+        if self._pause_listener is not None:
+            self._follow_pause(state, len(buffer) / 2 / self.sample_rate)
+        return state
+
+    def _follow_pause(self, state: VADState, seconds: float) -> None:
+        if state == VADState.STOPPING:
+            self._quiet_secs += seconds
+            if not self._paused and self._quiet_secs >= PAUSE_SECS:
+                self._paused = True
+                self._pause_listener.user_paused()
+            return
+        if state == VADState.SPEAKING and self._paused:
+            self._pause_listener.user_resumed()
+        self._quiet_secs, self._paused = 0.0, False
 
 
 class SharedSmartTurnAnalyzer(LocalSmartTurnAnalyzerV3):
