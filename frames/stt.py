@@ -117,9 +117,11 @@ class WhisperSTTService(SegmentedSTTService):
         """The user paused (see PauseListener): transcribe the segment so far, in case the pause ends it."""
         segment = segment_in_progress(self)
         if segment is None:
+            logger.debug(f"{self}: the user paused outside a segment")
             return
         self._drop_early()
         pcm = bytes(segment)
+        logger.debug(f"{self}: the user paused, transcribing {len(pcm) / 2 / self.sample_rate:.2f}s early")
         # A plain task, not Pipecat's create_task: that one logs and swallows the engine's errors,
         # and run_stt reports them as it does for a segment transcribed at the stop.
         task = asyncio.create_task(self._transcribe(pcm + _silence(TRAILING_SILENCE_SECS, self.sample_rate)))
@@ -127,6 +129,7 @@ class WhisperSTTService(SegmentedSTTService):
 
     def user_resumed(self) -> None:
         """The user spoke again before the VAD's stop: the early transcript misses those words."""
+        logger.debug(f"{self}: the user spoke again before the VAD's stop")
         self._drop_early()
 
     def _drop_early(self) -> None:

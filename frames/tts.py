@@ -70,15 +70,16 @@ class SpeakableChunkAggregator(SimpleTextAggregator):
     (`_check_sentence_with_lookahead`) and its buffer `_text`.
     """
 
-    def __init__(self, **kwargs):
+    def __init__(self, *, clock=time.monotonic, **kwargs):
         super().__init__(**kwargs)
+        self._clock = clock
         self._reply_spoken = False  # a chunk of this reply went to the voice
         self._first_text_at: float | None = None  # when this reply's first words arrived
         self._first_text_words = 0
 
     async def aggregate(self, text: str) -> AsyncIterator[Aggregation]:
         if self._first_text_at is None and text.strip():
-            self._first_text_at, self._first_text_words = time.monotonic(), len(text.split())
+            self._first_text_at, self._first_text_words = self._clock(), len(text.split())
         async for aggregation in super().aggregate(text):
             self._reply_spoken = True
             yield aggregation
@@ -97,7 +98,7 @@ class SpeakableChunkAggregator(SimpleTextAggregator):
         if words < FIRST_CHUNK_WORDS or self._first_text_at is None:
             return False
         arrived = words - self._first_text_words  # the words that came after the first text
-        elapsed = time.monotonic() - self._first_text_at
+        elapsed = self._clock() - self._first_text_at
         return arrived > 0 and arrived >= elapsed * FIRST_CHUNK_WORDS_PER_SEC
 
     def _new_reply(self) -> None:

@@ -2,6 +2,7 @@
 
 import asyncio
 
+import numpy as np
 import pytest
 import torch
 
@@ -107,6 +108,42 @@ async def test_two_conversations_share_one_copy_of_each_model(engines, settings,
     assert requests >= 4
     assert engines.llm.stats.started - started == requests
     assert user_messages(a) != user_messages(b)
+
+
+def trimmed(pcm: bytes) -> bytes:
+    """Speech without the voice's leading and trailing silence."""
+    samples = np.frombuffer(pcm, dtype=np.int16)
+    loud = np.flatnonzero(np.abs(samples) > 300)
+    return samples[loud[0] : loud[-1] + 1].tobytes()
+
+
+async def test_a_turn_is_transcribed_in_the_users_pause_before_the_vad_stop(engines, settings, say):
+    async with LocalSession(engines, settings) as session:
+        stt = session.conversation.stt
+        await session.silence(0.5)
+        await user_turn(session, say, "What is the capital of France?")
+        # The transcription started in the pause was the turn's: none ran after the VAD stop.
+        assert (stt.early_transcripts_used, stt.early_transcripts_dropped) == (1, 0)
+        assert wer("What is the capital of France?", user_messages(session)[0]) <= 0.25, user_messages(session)
+
+
+async def test_words_after_a_short_pause_are_not_lost_to_the_early_transcript(engines, settings, say):
+    # A pause long enough to start a transcription, well short of the VAD's stop (0.4 s here, so
+    # that how Silero's confidence falls and rises around the gap cannot turn it into a stop).
+    slower_stop = settings.model_copy(update={"vad_stop_secs": 0.4})
+    async with LocalSession(engines, slower_stop) as session:
+        stt = session.conversation.stt
+        await session.silence(0.5)
+        await session.speak(trimmed(await say("How many legs")))
+        await session.silence(0.2)
+        await session.speak(trimmed(await say("does a spider have?")))
+        ended = session.now()
+        await session.silence(0.5)
+        await wait_for_reply(session, after=ended)
+        assert stt.early_transcripts_dropped >= 1  # the one from the pause: speech came after it
+        assert stt.early_transcripts_used == 1  # the one from the end of the question
+        heard = user_messages(session)
+        assert len(heard) == 1 and wer("How many legs does a spider have?", heard[0]) <= 0.25, heard
 
 
 def test_the_bundled_llm_decodes_on_the_quantized_kernels(engines, settings):

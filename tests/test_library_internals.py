@@ -99,10 +99,12 @@ def test_snac_decoder_blocks_still_hold_the_layers_we_replace():
 async def test_tts_text_aggregation_still_goes_through_the_aggregator_we_set():
     # pipecat_internals.use_text_aggregator and SpeakableChunkAggregator's subclass hook
     assert "self._text_aggregator.aggregate(" in inspect.getsource(TTSService)
-    aggregator = SpeakableChunkAggregator()
+    now = [0.0]
+    aggregator = SpeakableChunkAggregator(clock=lambda: now[0])
     chunks = []
     for token in ["Well", ", the capital", " of France is Paris", ". ", "It is", " lovely, truly", ". Bye"]:
         chunks += [aggregation.text async for aggregation in aggregator.aggregate(token)]
+        now[0] += 1.0  # slow text: whole sentences
     chunks.append((await aggregator.flush()).text)
     assert chunks == ["Well, the capital of France is Paris.", "It is lovely, truly.", "Bye"]
 

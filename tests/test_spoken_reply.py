@@ -65,19 +65,54 @@ def test_a_last_sentence_without_a_full_stop_is_spoken():
     assert speak_as_generated(SpokenReply(max_sentences=3), text) == text
 
 
-async def chunks_of(tokens: list[str]) -> list[str]:
+class TokenClock:
+    """The time as the LLM's text arrives: `seconds_per_token` between tokens."""
+
+    def __init__(self, seconds_per_token: float):
+        self.now, self.step = 0.0, seconds_per_token
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def chunks_of(tokens: list[str], seconds_per_token: float = 0.2, aggregator=None) -> list[str]:
     """What the TTS is handed, chunk by chunk, as the LLM's text arrives in `tokens`."""
-    aggregator = SpeakableChunkAggregator()
+    clock = TokenClock(seconds_per_token)
+    aggregator = aggregator or SpeakableChunkAggregator(clock=clock)
     chunks = []
     for token in tokens:
         chunks += [aggregation.text async for aggregation in aggregator.aggregate(token)]
+        clock.now += clock.step
     last = await aggregator.flush()
     return chunks + ([last.text] if last and last.text else [])
 
 
-async def test_the_voice_gets_whole_sentences():
-    tokens = ["The", " tallest", " mountain", " is", " Everest", ",", " which", " is", " in", " Nepal", ". ", "It", " is", " tall", "."]
-    assert await chunks_of(tokens) == ["The tallest mountain is Everest, which is in Nepal.", "It is tall."]
+TWO_SENTENCES = ["The", " tallest", " mountain", " is", " Everest", ",", " which", " is", " in", " Nepal", ". ", "It", " is", " tall", "."]
+
+
+async def test_text_arriving_slowly_reaches_the_voice_in_whole_sentences():
+    # 5 words a second: the rest of a sentence might not be ready by the time its start was said.
+    assert await chunks_of(TWO_SENTENCES, seconds_per_token=0.2) == [
+        "The tallest mountain is Everest, which is in Nepal.",
+        "It is tall.",
+    ]
+
+
+async def test_text_arriving_fast_starts_the_voice_on_the_first_words():
+    # 20 words a second: the first four words go at once, the rest in sentences.
+    assert await chunks_of(TWO_SENTENCES, seconds_per_token=0.05) == [
+        "The tallest mountain is",
+        "Everest, which is in Nepal.",
+        "It is tall.",
+    ]
+
+
+async def test_each_reply_starts_its_voice_early_again():
+    clock = TokenClock(0.05)
+    aggregator = SpeakableChunkAggregator(clock=clock)
+    first = await chunks_of(TWO_SENTENCES, aggregator=aggregator)
+    second = await chunks_of(TWO_SENTENCES, aggregator=aggregator)  # flush() ended the first reply
+    assert first == second and first[0] == "The tallest mountain is"
 
 
 async def test_a_short_sentence_goes_whole_and_a_finished_sentence_goes_at_once():
