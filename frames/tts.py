@@ -51,6 +51,9 @@ FIRST_CHUNK_WORDS = 4
 # machine) and the first sentence is spoken whole, as every later one is: a chunk spoken before
 # the rest of its sentence was ready left a gap inside the sentence.
 FIRST_CHUNK_WORDS_PER_SEC = 12.0
+# The rest of a sentence whose first words went ahead goes clause by clause: a long sentence
+# ("..., but it's actually ..., which is ...") is not waited for whole while its start plays out.
+CLAUSE_END = (",", ";", ":")
 
 
 class SpeakableChunkAggregator(SimpleTextAggregator):
@@ -63,8 +66,9 @@ class SpeakableChunkAggregator(SimpleTextAggregator):
 
     The listener waits for the first words, so a reply's first FIRST_CHUNK_WORDS words are spoken
     as soon as they are in, when the text is arriving fast enough that the rest of the sentence
-    will be ready before they have been said (FIRST_CHUNK_WORDS_PER_SEC); otherwise the first
-    sentence waits for its end like the others.
+    will be ready before they have been said (FIRST_CHUNK_WORDS_PER_SEC); the rest of that
+    sentence then goes clause by clause. Otherwise the first sentence waits for its end like the
+    others.
 
     Extends SimpleTextAggregator through the hook its docstring offers subclasses
     (`_check_sentence_with_lookahead`) and its buffer `_text`.
@@ -74,6 +78,7 @@ class SpeakableChunkAggregator(SimpleTextAggregator):
         super().__init__(**kwargs)
         self._clock = clock
         self._reply_spoken = False  # a chunk of this reply went to the voice
+        self._in_split_sentence = False  # the sentence being aggregated began with an early chunk
         self._first_text_at: float | None = None  # when this reply's first words arrived
         self._first_text_words = 0
 
@@ -89,7 +94,12 @@ class SpeakableChunkAggregator(SimpleTextAggregator):
         if sentence is None and char.isspace() and self._text.rstrip().endswith(tuple(SENTENCE_ENDING_PUNCTUATION)):
             text, self._text = self._text.strip(), ""
             sentence = Aggregation(text=text, type=TextType.SENTENCE) if text else None
-        if sentence is None and char.isspace() and not self._reply_spoken and self._first_words_ready():
+        if sentence is not None:
+            self._in_split_sentence = False
+        elif char.isspace() and not self._reply_spoken and self._first_words_ready():
+            sentence, self._text = Aggregation(text=self._text.strip(), type=TextType.SENTENCE), ""
+            self._in_split_sentence = True
+        elif char.isspace() and self._in_split_sentence and self._text.rstrip().endswith(CLAUSE_END):
             sentence, self._text = Aggregation(text=self._text.strip(), type=TextType.SENTENCE), ""
         return sentence
 
@@ -103,6 +113,7 @@ class SpeakableChunkAggregator(SimpleTextAggregator):
 
     def _new_reply(self) -> None:
         self._reply_spoken, self._first_text_at, self._first_text_words = False, None, 0
+        self._in_split_sentence = False
 
     async def flush(self) -> Aggregation | None:
         self._new_reply()  # the LLM's reply is over

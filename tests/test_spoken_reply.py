@@ -100,9 +100,11 @@ async def test_text_arriving_slowly_reaches_the_voice_in_whole_sentences():
 
 async def test_text_arriving_fast_starts_the_voice_on_the_first_words():
     # 20 words a second: the first four words go at once, the rest in sentences.
+    # The rest of that sentence goes clause by clause, later sentences whole.
     assert await chunks_of(TWO_SENTENCES, seconds_per_token=0.05) == [
         "The tallest mountain is",
-        "Everest, which is in Nepal.",
+        "Everest,",
+        "which is in Nepal.",
         "It is tall.",
     ]
 
@@ -113,6 +115,11 @@ async def test_each_reply_starts_its_voice_early_again():
     first = await chunks_of(TWO_SENTENCES, aggregator=aggregator)
     second = await chunks_of(TWO_SENTENCES, aggregator=aggregator)  # flush() ended the first reply
     assert first == second and first[0] == "The tallest mountain is"
+
+
+async def test_a_later_sentence_with_commas_stays_whole():
+    tokens = ["Yes", ". ", "Well", ",", " it", " is", " tall", ",", " very", " tall", "."]
+    assert await chunks_of(tokens, seconds_per_token=0.05) == ["Yes.", "Well, it is tall, very tall."]
 
 
 async def test_a_short_sentence_goes_whole_and_a_finished_sentence_goes_at_once():
