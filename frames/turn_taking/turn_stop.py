@@ -19,6 +19,12 @@ from frames.pipecat_internals import turn_stop_state
 # Longest wait for one speech segment's transcript (Whisper's p99 is ~0.9 s on 2 busy cores).
 # A segment Whisper hears no words in never gets one; after this the turn goes on without it.
 TRANSCRIPT_WAIT_SECS = 2.0
+# How long after the VAD's stop a complete turn's reply is held back, generating, before it is
+# released. A user who breathes after a complete-sounding sentence (0.35 s in the monologue
+# scenario) and goes on is heard again ~0.3 s after the stop; a reply already playing by then would
+# talk over them. The reply's first words take about this long to generate anyway, so the hold
+# rarely delays them.
+COMPLETE_TURN_HOLD_SECS = 0.4
 
 
 class TranscriptsOwed:
@@ -72,6 +78,10 @@ class SpeculativeTurnStopStrategy(TurnAnalyzerUserTurnStopStrategy):
     that sends only speech). Then no silence adds up, and Pipecat's 5 s stop watchdog would end
     the turn, throwing the speculation away to answer the same words again. So a speculation
     also confirms itself after smart-turn's silence timeout, counted in wall-clock time.
+
+    A turn smart-turn finds complete is answered speculatively too, until COMPLETE_TURN_HOLD_SECS
+    after the VAD's stop: the LLM starts at once, and the reply is released if the user has not
+    spoken again by then.
     """
 
     def __init__(self, *, speculate: bool = True, **kwargs):
@@ -86,6 +96,7 @@ class SpeculativeTurnStopStrategy(TurnAnalyzerUserTurnStopStrategy):
         self._speculation: UserTurnSpeculation | None = None
         self._silence_secs = kwargs["turn_analyzer"].params.stop_secs
         self._silence_timer: asyncio.Task | None = None
+        self._vad_stopped_at = 0.0  # time.monotonic() of the turn's latest VAD stop
         # Pipecat hands stop strategies every frame, in a turn or not: a hum over the bot's reply
         # that the barge-in policy let go is no turn, and must not start a speculative reply.
         self._in_turn = False
@@ -95,7 +106,8 @@ class SpeculativeTurnStopStrategy(TurnAnalyzerUserTurnStopStrategy):
             # Before the base class reacts: the reply answers less than the user is saying.
             await self._withdraw("the user spoke again")
         elif isinstance(frame, VADUserStoppedSpeakingFrame):
-            self._owed.segment_stopped(time.monotonic())
+            self._vad_stopped_at = time.monotonic()
+            self._owed.segment_stopped(self._vad_stopped_at)
         elif isinstance(frame, TranscriptionFrame) and frame.text.strip():
             self._parts.append(TextPartForConcatenation(frame.text, frame.includes_inter_frame_spaces))
             self._owed.transcript_arrived()
@@ -117,15 +129,27 @@ class SpeculativeTurnStopStrategy(TurnAnalyzerUserTurnStopStrategy):
             self._speculation = UserTurnSpeculation(text=concatenate_aggregated_text(self._parts))
             logger.debug(f"{self}: turn incomplete, answering [{self._speculation.text}] speculatively")
             await self.trigger_user_turn_inference_triggered(speculation=self._speculation)
-            self._silence_timer = self.create_task(self._end_turn_after_silence(), "speculation_silence")
+            self._silence_timer = self.create_task(self._end_turn_after_silence(self._silence_secs), "speculation_silence")
         return result
 
-    async def _end_turn_after_silence(self):
-        await asyncio.sleep(self._silence_secs)
+    async def _end_turn_after_silence(self, seconds: float):
+        await asyncio.sleep(seconds)
         self._silence_timer = None  # the stop below must not cancel the task running it
         if self._speculation is not None and not turn_stop_state(self)["user_speaking"]:
-            logger.debug(f"{self}: {self._silence_secs:.1f}s of silence, the speculative reply stands")
+            logger.debug(f"{self}: {seconds:.1f}s more of silence, the speculative reply stands")
             await self.trigger_user_turn_stopped()
+
+    async def _hold_complete_turn(self, hold_secs: float):
+        """Answer the complete turn speculatively; release the reply after `hold_secs` more of quiet."""
+        text = concatenate_aggregated_text(self._parts)
+        if self._speculation is not None and not self._match.matches(self._speculation.text, text):
+            await self._withdraw("the turn's text changed")
+        await self._stop_silence_timer()
+        if self._speculation is None:
+            self._speculation = UserTurnSpeculation(text=text)
+            logger.debug(f"{self}: turn complete, answering [{text}] while holding the reply {hold_secs:.2f}s")
+            await self.trigger_user_turn_inference_triggered(speculation=self._speculation)
+        self._silence_timer = self.create_task(self._end_turn_after_silence(hold_secs), "complete_turn_hold")
 
     async def handle_user_turn_started(self):
         await super().handle_user_turn_started()
@@ -142,6 +166,10 @@ class SpeculativeTurnStopStrategy(TurnAnalyzerUserTurnStopStrategy):
             await super()._maybe_trigger_user_turn_stopped()
 
     async def trigger_user_turn_stopped(self, *, enable_user_speaking_frames: bool | None = None):
+        hold = COMPLETE_TURN_HOLD_SECS - (time.monotonic() - self._vad_stopped_at)
+        if self._speculate and self._parts and hold > 0.01 and not turn_stop_state(self)["user_speaking"]:
+            await self._hold_complete_turn(hold)
+            return
         speculation, self._speculation = self._speculation, None
         await self._stop_silence_timer()
         if speculation and self._match.matches(speculation.text, concatenate_aggregated_text(self._parts)):
