@@ -1,5 +1,6 @@
 """Pipecat TTS service over a shared TTS engine (Piper or Orpheus), with word timing so interruptions cut the context exactly."""
 
+import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
@@ -47,6 +48,10 @@ def estimate_word_times(text: str, start: float, duration: float) -> list[tuple[
 # The first chunk of a reply may go to the voice before its sentence ends, after this many words:
 # ~1 s of speech, time enough for the rest of the sentence to be generated and synthesized...
 FIRST_CHUNK_WORDS = 4
+# ...once this many more have come without ending the sentence: the rest of it is then at least
+# three words. A short sentence goes whole: cut after "The capital of France", "is Paris." came
+# out as "The capital of Francis, Harris." to Whisper.
+FIRST_CHUNK_LOOKAHEAD_WORDS = 2
 # ...provided the reply's words arrive at least this fast (~4x speaking pace). Slower (a busy
 # machine) and the first sentence is spoken whole, as every later one is: a chunk spoken before
 # the rest of its sentence was ready left a gap inside the sentence.
@@ -65,7 +70,7 @@ class SpeakableChunkAggregator(SimpleTextAggregator):
     first letter arrived, i.e. until the LLM had generated all of the next sentence.
 
     The listener waits for the first words, so a reply's first FIRST_CHUNK_WORDS words are spoken
-    as soon as they are in, when the text is arriving fast enough that the rest of the sentence
+    as soon as a few more show that the sentence goes on, when the text is arriving fast enough that the rest of the sentence
     will be ready before they have been said (FIRST_CHUNK_WORDS_PER_SEC); the rest of that
     sentence then goes clause by clause. Otherwise the first sentence waits for its end like the
     others.
@@ -97,7 +102,10 @@ class SpeakableChunkAggregator(SimpleTextAggregator):
         if sentence is not None:
             self._in_split_sentence = False
         elif char.isspace() and not self._reply_spoken and self._first_words_ready():
-            sentence, self._text = Aggregation(text=self._text.strip(), type=TextType.SENTENCE), ""
+            spans = list(re.finditer(r"\S+", self._text))
+            cut = spans[FIRST_CHUNK_WORDS - 1].end()
+            sentence = Aggregation(text=self._text[:cut].strip(), type=TextType.SENTENCE)
+            self._text = self._text[cut:].lstrip()
             self._in_split_sentence = True
         elif char.isspace() and self._in_split_sentence and self._text.rstrip().endswith(CLAUSE_END):
             sentence, self._text = Aggregation(text=self._text.strip(), type=TextType.SENTENCE), ""
@@ -105,7 +113,7 @@ class SpeakableChunkAggregator(SimpleTextAggregator):
 
     def _first_words_ready(self) -> bool:
         words = len(self._text.split())
-        if words < FIRST_CHUNK_WORDS or self._first_text_at is None:
+        if words < FIRST_CHUNK_WORDS + FIRST_CHUNK_LOOKAHEAD_WORDS or self._first_text_at is None:
             return False
         arrived = words - self._first_text_words  # the words that came after the first text
         elapsed = self._clock() - self._first_text_at

@@ -100,13 +100,27 @@ async def test_text_arriving_slowly_reaches_the_voice_in_whole_sentences():
 
 async def test_text_arriving_fast_starts_the_voice_on_the_first_words():
     # 20 words a second: the first four words go at once, the rest in sentences.
-    # The rest of that sentence goes clause by clause, later sentences whole.
+    # Once two more words show the sentence goes on; its rest goes clause by clause, later
+    # sentences whole.
     assert await chunks_of(TWO_SENTENCES, seconds_per_token=0.05) == [
         "The tallest mountain is",
-        "Everest,",
-        "which is in Nepal.",
+        "Everest, which is in Nepal.",  # its comma came before the cut
         "It is tall.",
     ]
+
+
+async def test_the_rest_of_a_long_first_sentence_goes_clause_by_clause():
+    tokens = ["Well", " I", " think", " that", " the", " answer", ",", " if", " you", " ask", " me", ",", " is", " no", "."]
+    assert await chunks_of(tokens, seconds_per_token=0.01) == [
+        "Well I think that",
+        "the answer, if you ask me,",  # the cut came at its first comma: the next one ends it
+        "is no.",
+    ]
+
+
+async def test_a_short_first_sentence_goes_whole_however_fast():
+    tokens = ["The", " capital", " of", " France", " is", " Paris", ". ", "It", " is", " lovely", "."]
+    assert await chunks_of(tokens, seconds_per_token=0.01) == ["The capital of France is Paris.", "It is lovely."]
 
 
 async def test_each_reply_starts_its_voice_early_again():
