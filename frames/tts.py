@@ -70,10 +70,10 @@ class SpeakableChunkAggregator(SimpleTextAggregator):
     first letter arrived, i.e. until the LLM had generated all of the next sentence.
 
     The listener waits for the first words, so a reply's first FIRST_CHUNK_WORDS words are spoken
-    as soon as a few more show that the sentence goes on, when the text is arriving fast enough that the rest of the sentence
-    will be ready before they have been said (FIRST_CHUNK_WORDS_PER_SEC); the rest of that
-    sentence then goes clause by clause. Otherwise the first sentence waits for its end like the
-    others.
+    as soon as a few more show that the sentence goes on, when the text arrives fast enough that
+    the rest of the sentence will be ready before they have been said (FIRST_CHUNK_WORDS_PER_SEC);
+    the rest of that sentence then goes clause by clause. Otherwise the first sentence waits for
+    its end like the others.
 
     Extends SimpleTextAggregator through the hook its docstring offers subclasses
     (`_check_sentence_with_lookahead`) and its buffer `_text`.
