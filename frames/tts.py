@@ -102,14 +102,16 @@ class SpeakableChunkAggregator(SimpleTextAggregator):
         if sentence is not None:
             self._in_split_sentence = False
         elif char.isspace() and not self._reply_spoken and self._first_words_ready():
-            spans = list(re.finditer(r"\S+", self._text))
-            cut = spans[FIRST_CHUNK_WORDS - 1].end()
-            sentence = Aggregation(text=self._text[:cut].strip(), type=TextType.SENTENCE)
-            self._text = self._text[cut:].lstrip()
+            sentence = self._cut(list(re.finditer(r"\S+", self._text))[FIRST_CHUNK_WORDS - 1].end())
             self._in_split_sentence = True
         elif char.isspace() and self._in_split_sentence and self._text.rstrip().endswith(CLAUSE_END):
-            sentence, self._text = Aggregation(text=self._text.strip(), type=TextType.SENTENCE), ""
+            sentence = self._cut(len(self._text))
         return sentence
+
+    def _cut(self, end: int) -> Aggregation:
+        """The buffer up to `end`, as a chunk for the voice; the rest stays."""
+        chunk, self._text = self._text[:end].strip(), self._text[end:].lstrip()
+        return Aggregation(text=chunk, type=TextType.SENTENCE)
 
     def _first_words_ready(self) -> bool:
         words = len(self._text.split())

@@ -126,11 +126,17 @@ class SpeculativeTurnStopStrategy(TurnAnalyzerUserTurnStopStrategy):
             and self._parts
             and not self._awaiting_transcript()
         ):
-            self._speculation = UserTurnSpeculation(text=concatenate_aggregated_text(self._parts))
-            logger.debug(f"{self}: turn incomplete, answering [{self._speculation.text}] speculatively")
-            await self.trigger_user_turn_inference_triggered(speculation=self._speculation)
-            self._silence_timer = self.create_task(self._end_turn_after_silence(self._silence_secs), "speculation_silence")
+            await self._speculate_then_confirm(self._silence_secs, "turn incomplete")
         return result
+
+    async def _speculate_then_confirm(self, seconds: float, why: str):
+        """Answer the turn's text speculatively (if not already) and confirm it after `seconds` more of quiet."""
+        await self._stop_silence_timer()
+        if self._speculation is None:
+            self._speculation = UserTurnSpeculation(text=concatenate_aggregated_text(self._parts))
+            logger.debug(f"{self}: {why}, answering [{self._speculation.text}] speculatively for {seconds:.2f}s")
+            await self.trigger_user_turn_inference_triggered(speculation=self._speculation)
+        self._silence_timer = self.create_task(self._end_turn_after_silence(seconds), "speculation_silence")
 
     async def _end_turn_after_silence(self, seconds: float):
         await asyncio.sleep(seconds)
@@ -144,12 +150,7 @@ class SpeculativeTurnStopStrategy(TurnAnalyzerUserTurnStopStrategy):
         text = concatenate_aggregated_text(self._parts)
         if self._speculation is not None and not self._match.matches(self._speculation.text, text):
             await self._withdraw("the turn's text changed")
-        await self._stop_silence_timer()
-        if self._speculation is None:
-            self._speculation = UserTurnSpeculation(text=text)
-            logger.debug(f"{self}: turn complete, answering [{text}] while holding the reply {hold_secs:.2f}s")
-            await self.trigger_user_turn_inference_triggered(speculation=self._speculation)
-        self._silence_timer = self.create_task(self._end_turn_after_silence(hold_secs), "complete_turn_hold")
+        await self._speculate_then_confirm(hold_secs, "turn complete")
 
     async def handle_user_turn_started(self):
         await super().handle_user_turn_started()
