@@ -171,7 +171,10 @@ class WhisperSTTService(SegmentedSTTService):
         finally:
             await self.stop_processing_metrics()
         if transcript.text:
-            logger.debug(f"{self}: transcript [{transcript.text}] ({transcript.processing_seconds:.2f}s)")
+            logger.debug(
+                f"{self}: transcript [{transcript.text}] ({transcript.processing_seconds:.2f}s, "
+                f"no speech {transcript.no_speech_prob:.2f})"
+            )
             yield TranscriptionFrame(
                 transcript.text,
                 self._user_id,

@@ -47,11 +47,11 @@ def estimate_word_times(text: str, start: float, duration: float) -> list[tuple[
 
 # The first chunk of a reply may go to the voice before its sentence ends, after this many words:
 # ~1 s of speech, time enough for the rest of the sentence to be generated and synthesized...
+# They arrive here only once the sentence is known to go on for three more words: the LLM engine
+# holds back a first sentence's last three words (services/spoken_reply.py). A short sentence
+# goes whole: cut after "The capital of France", "is Paris." came out as "The capital of
+# Francis, Harris." to Whisper.
 FIRST_CHUNK_WORDS = 4
-# ...once this many more have come without ending the sentence: the rest of it is then at least
-# three words. A short sentence goes whole: cut after "The capital of France", "is Paris." came
-# out as "The capital of Francis, Harris." to Whisper.
-FIRST_CHUNK_LOOKAHEAD_WORDS = 2
 # ...provided the reply's words arrive at least this fast (~4x speaking pace). Slower (a busy
 # machine) and the first sentence is spoken whole, as every later one is: a chunk spoken before
 # the rest of its sentence was ready left a gap inside the sentence.
@@ -59,6 +59,7 @@ FIRST_CHUNK_WORDS_PER_SEC = 12.0
 # The rest of a sentence whose first words went ahead goes clause by clause: a long sentence
 # ("..., but it's actually ..., which is ...") is not waited for whole while its start plays out.
 CLAUSE_END = (",", ";", ":")
+CLAUSE_MIN_WORDS = 3  # a shorter clause ("Everest,") goes with the next one: a word alone sounds clipped
 
 
 class SpeakableChunkAggregator(SimpleTextAggregator):
@@ -70,7 +71,8 @@ class SpeakableChunkAggregator(SimpleTextAggregator):
     first letter arrived, i.e. until the LLM had generated all of the next sentence.
 
     The listener waits for the first words, so a reply's first FIRST_CHUNK_WORDS words are spoken
-    as soon as a few more show that the sentence goes on, when the text arrives fast enough that
+    as soon as they are here (the LLM engine sends them once the sentence goes on for three more
+    words, see SpokenReply), when the text arrives fast enough that
     the rest of the sentence will be ready before they have been said (FIRST_CHUNK_WORDS_PER_SEC);
     the rest of that sentence then goes clause by clause. Otherwise the first sentence waits for
     its end like the others.
@@ -93,6 +95,11 @@ class SpeakableChunkAggregator(SimpleTextAggregator):
         async for aggregation in super().aggregate(text):
             self._reply_spoken = True
             yield aggregation
+        # Only at the end of what the LLM has sent: a sentence end further on in the same text
+        # would show that the sentence is short, and must not be cut off from its start.
+        if not self._reply_spoken and self._first_words_ready():
+            self._reply_spoken = self._in_split_sentence = True
+            yield self._cut(list(re.finditer(r"\S+", self._text))[FIRST_CHUNK_WORDS - 1].end())
 
     async def _check_sentence_with_lookahead(self, char: str, *, protected_end: int = 0) -> Aggregation | None:
         sentence = await super()._check_sentence_with_lookahead(char, protected_end=protected_end)
@@ -101,10 +108,12 @@ class SpeakableChunkAggregator(SimpleTextAggregator):
             sentence = Aggregation(text=text, type=TextType.SENTENCE) if text else None
         if sentence is not None:
             self._in_split_sentence = False
-        elif char.isspace() and not self._reply_spoken and self._first_words_ready():
-            sentence = self._cut(list(re.finditer(r"\S+", self._text))[FIRST_CHUNK_WORDS - 1].end())
-            self._in_split_sentence = True
-        elif char.isspace() and self._in_split_sentence and self._text.rstrip().endswith(CLAUSE_END):
+        elif (
+            char.isspace()
+            and self._in_split_sentence
+            and self._text.rstrip().endswith(CLAUSE_END)
+            and len(self._text.split()) >= CLAUSE_MIN_WORDS
+        ):
             sentence = self._cut(len(self._text))
         return sentence
 
@@ -114,8 +123,8 @@ class SpeakableChunkAggregator(SimpleTextAggregator):
         return Aggregation(text=chunk, type=TextType.SENTENCE)
 
     def _first_words_ready(self) -> bool:
-        words = len(self._text.split())
-        if words < FIRST_CHUNK_WORDS + FIRST_CHUNK_LOOKAHEAD_WORDS or self._first_text_at is None:
+        words = len(re.findall(r"\S+\s", self._text))  # whole words: a space has followed them
+        if words < FIRST_CHUNK_WORDS or self._first_text_at is None:
             return False
         arrived = words - self._first_text_words  # the words that came after the first text
         elapsed = self._clock() - self._first_text_at

@@ -26,6 +26,10 @@ class TranscriptSegment:
     start: float  # seconds from the start of the audio
     end: float
     text: str
+    # Whisper's own doubt, where it reports it (the full-window path): the mean log-probability of
+    # the segment's tokens, and the probability that the audio held no speech at all.
+    avg_logprob: float = 0.0
+    no_speech_prob: float = 0.0
 
 
 @dataclass
@@ -38,6 +42,11 @@ class Transcript:
     segments: list[TranscriptSegment] = field(default_factory=list)
     # Whisper's language probabilities, most likely first, when the language was detected.
     language_probabilities: list[tuple[str, float]] = field(default_factory=list)
+
+    @property
+    def no_speech_prob(self) -> float:
+        """How sure Whisper is that no one spoke: its least doubtful segment's no-speech probability."""
+        return min((s.no_speech_prob for s in self.segments), default=1.0)
 
 
 class WhisperEngine:
@@ -115,16 +124,16 @@ class WhisperEngine:
             return Transcript("", language or "en", 0.0, 0.0, 0.0)
         short = short and language == self.language and self._tokenizer is not None
         if short and duration + SHORT_PAD_SECS <= WINDOW_SECS:
-            text = self._transcribe_short(audio)
-            if text is not None:
+            segment = self._transcribe_short(audio)
+            if segment is not None:
                 self.short_encodes += 1
                 return Transcript(
-                    text=text,
+                    text=segment.text,
                     language=self.language,
                     language_probability=1.0,
                     audio_seconds=duration,
                     processing_seconds=time.perf_counter() - started,
-                    segments=[TranscriptSegment(0.0, duration, text)] if text else [],
+                    segments=[segment] if segment.text else [],
                 )
             self.fallbacks += 1
         self.detections += language is None
@@ -135,7 +144,7 @@ class WhisperEngine:
             condition_on_previous_text=False,
             vad_filter=False,  # Silero already cut the turn; a second VAD only adds latency
         )
-        parts = [TranscriptSegment(s.start, s.end, s.text.strip()) for s in segments]
+        parts = [TranscriptSegment(s.start, s.end, s.text.strip(), s.avg_logprob, s.no_speech_prob) for s in segments]
         self.full_window_encodes += 1
         return Transcript(
             text=" ".join(p.text for p in parts if p.text).strip(),
@@ -150,7 +159,7 @@ class WhisperEngine:
     async def warmup(self) -> None:
         await self.transcribe(b"\x00\x00" * WHISPER_SAMPLE_RATE, WHISPER_SAMPLE_RATE)
 
-    def _transcribe_short(self, audio: np.ndarray) -> str | None:
+    def _transcribe_short(self, audio: np.ndarray) -> TranscriptSegment | None:
         """Encode the segment at its own length instead of the padded 30 s window.
 
         CTranslate2's Whisper encoder takes any number of frames up to the window, and a 3 s
@@ -173,13 +182,18 @@ class WhisperEngine:
             max_length=int(20 + 8 * duration),  # tokens: well above speech, bounds a loop
             suppress_blank=True,
             suppress_tokens=self._suppressed,
+            return_scores=True,
+            return_no_speech_prob=True,
         )[0]
-        text = first_of_repeats(self._tokenizer.decode([t for t in result.sequences_ids[0] if t < self._tokenizer.eot]))
+        tokens = result.sequences_ids[0]
+        text = first_of_repeats(self._tokenizer.decode([t for t in tokens if t < self._tokenizer.eot]))
         said = words(text)
         runs = [tuple(said[i : i + 3]) for i in range(len(said) - 2)]
         if len(said) > MAX_WORDS_PER_SECOND * duration + 2 or len(set(runs)) < len(runs) - 1:
             return None
-        return text
+        # As faster-whisper reports it: the score is the length-normalized log-probability.
+        avg_logprob = result.scores[0] * len(tokens) / (len(tokens) + 1)
+        return TranscriptSegment(0.0, duration, text, avg_logprob, result.no_speech_prob)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -76,13 +76,23 @@ class TokenClock:
 
 
 async def chunks_of(tokens: list[str], seconds_per_token: float = 0.2, aggregator=None) -> list[str]:
-    """What the TTS is handed, chunk by chunk, as the LLM's text arrives in `tokens`."""
+    """What the TTS is handed, chunk by chunk, as the LLM generates `tokens`: the LLM engine
+    releases the text through SpokenReply, and the TTS service aggregates what it released."""
     clock = TokenClock(seconds_per_token)
     aggregator = aggregator or SpeakableChunkAggregator(clock=clock)
-    chunks = []
+    reply, text, released, chunks = SpokenReply(max_sentences=None), "", 0, []
+
+    async def hand_on(upto: int):
+        nonlocal released
+        if upto > released:
+            chunks.extend([a.text async for a in aggregator.aggregate(text[released:upto])])
+            released = upto
+
     for token in tokens:
-        chunks += [aggregation.text async for aggregation in aggregator.aggregate(token)]
+        text += token
+        await hand_on(reply.update(text))
         clock.now += clock.step
+    await hand_on(reply.finish(text))
     last = await aggregator.flush()
     return chunks + ([last.text] if last and last.text else [])
 
@@ -99,9 +109,9 @@ async def test_text_arriving_slowly_reaches_the_voice_in_whole_sentences():
 
 
 async def test_text_arriving_fast_starts_the_voice_on_the_first_words():
-    # 20 words a second: the first four words go at once, the rest in sentences.
-    # Once two more words show the sentence goes on; its rest goes clause by clause, later
-    # sentences whole.
+    # 20 words a second: the first four words go as soon as the LLM engine releases them (three
+    # more words show the sentence goes on); its rest goes clause by clause ("Everest," is too
+    # short a clause to go alone), later sentences whole.
     assert await chunks_of(TWO_SENTENCES, seconds_per_token=0.05) == [
         "The tallest mountain is",
         "Everest, which is in Nepal.",  # its comma came before the cut
