@@ -201,17 +201,18 @@ def build_conversation(
     language = conversation_language(settings)
     stt = WhisperSTTService(engines.stt, short_encode=settings.stt_short_encode, language=language)
     context = LLMContext()
+    vad = SharedSileroVADAnalyzer(
+        params=VADParams(
+            start_secs=settings.vad_start_secs,
+            stop_secs=settings.vad_stop_secs,
+            min_volume=settings.vad_min_volume,
+        ),
+        pause_listener=stt,  # transcribes a segment in the quiet before its stop
+    )
     user_aggregator, assistant_aggregator = LLMContextAggregatorPair(
         context,
         user_params=LLMUserAggregatorParams(
-            vad_analyzer=SharedSileroVADAnalyzer(
-                params=VADParams(
-                    start_secs=settings.vad_start_secs,
-                    stop_secs=settings.vad_stop_secs,
-                    min_volume=settings.vad_min_volume,
-                ),
-                pause_listener=stt,  # transcribes a segment in the quiet before its stop
-            ),
+            vad_analyzer=vad,
             # Start: see BargeInTurnStartStrategy. Stop: when smart-turn v3.2 (local ONNX)
             # judges the turn complete and every speech segment is transcribed; its model shared
             # by all conversations. With `turn_speculation`, a turn it judges incomplete is
@@ -220,7 +221,7 @@ def build_conversation(
                 start=[barge_in],
                 stop=[
                     SpeculativeTurnStopStrategy(
-                        turn_analyzer=SharedSmartTurnAnalyzer(), speculate=settings.turn_speculation
+                        turn_analyzer=SharedSmartTurnAnalyzer(), speculate=settings.turn_speculation, vad=vad
                     )
                 ]
             ),

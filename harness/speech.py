@@ -11,8 +11,9 @@ from services.tts_piper import PiperEngine
 
 
 async def speak_16k(tts: PiperEngine, text: str) -> bytes:
-    """`text` spoken by Piper as mono PCM16 at 16 kHz, the rate a microphone transport delivers."""
-    pcm = await tts.synthesize(text)
+    """`text` spoken by Piper as mono PCM16 at 16 kHz, the rate a microphone transport delivers;
+    the same audio for the same text in every run."""
+    pcm = await tts.synthesize(text, repeatable=True)
     audio = np.frombuffer(pcm, dtype=np.int16).astype(np.float32)
     return soxr.resample(audio, tts.sample_rate, INPUT_SAMPLE_RATE).astype(np.int16).tobytes()
 

@@ -30,6 +30,10 @@ class PiperEngine:
         self._phonemize_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="piper")
         self._config = SynthesisConfig()
+        # Piper samples noise for every sentence (VITS), so the same text never sounds quite the
+        # same twice. Without it, it does: the test suite's and the benchmarks' users say each
+        # line the same way in every run, and what Whisper makes of it does not vary between runs.
+        self._repeatable_config = SynthesisConfig(noise_scale=0.0, noise_w_scale=0.0)
         self.syntheses = 0  # lifetime count of sentences synthesized
         self.in_flight = 0  # streams being synthesized
 
@@ -37,15 +41,16 @@ class PiperEngine:
         with self._phonemize_lock:
             return self._voice.phonemize(text)
 
-    def _sentence_audio(self, phonemes: list[str]) -> bytes:
+    def _sentence_audio(self, phonemes: list[str], config: SynthesisConfig) -> bytes:
         ids = self._voice.phonemes_to_ids(phonemes)
-        audio = self._voice.phoneme_ids_to_audio(ids, self._config)
+        audio = self._voice.phoneme_ids_to_audio(ids, config)
         self.syntheses += 1
         return float_to_pcm16(audio)
 
-    async def stream(self, text: str, *, voice: str | None = None) -> AsyncIterator[bytes]:
+    async def stream(self, text: str, *, voice: str | None = None, repeatable: bool = False) -> AsyncIterator[bytes]:
         """Yield mono PCM16 at `self.sample_rate`, one chunk per sentence of `text`. A Piper model
-        is one voice: `voice` may only name it."""
+        is one voice: `voice` may only name it. `repeatable`: the same audio for the same text
+        every time (no sampling noise)."""
         if voice not in (None, self.voice):
             raise ValueError(f"Piper model {self.voice} has no voice {voice!r}; load that voice's model instead")
         loop = asyncio.get_running_loop()
@@ -54,13 +59,14 @@ class PiperEngine:
             sentences = await loop.run_in_executor(self._pool, self._phonemize, text)
             for phonemes in sentences:
                 if phonemes:
-                    yield await loop.run_in_executor(self._pool, self._sentence_audio, phonemes)
+                    config = self._repeatable_config if repeatable else self._config
+                    yield await loop.run_in_executor(self._pool, self._sentence_audio, phonemes, config)
         finally:
             self.in_flight -= 1
 
-    async def synthesize(self, text: str) -> bytes:
+    async def synthesize(self, text: str, *, repeatable: bool = False) -> bytes:
         """All of `text` as one PCM16 buffer."""
-        return b"".join([chunk async for chunk in self.stream(text)])
+        return b"".join([chunk async for chunk in self.stream(text, repeatable=repeatable)])
 
     async def warmup(self) -> None:
         await self.synthesize("Warming up.")

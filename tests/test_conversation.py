@@ -228,3 +228,13 @@ async def test_a_turn_split_at_a_pause_reaches_the_model_as_one_message(engines)
     context = LLMContext(messages=[{"role": "user", "content": "Thank you."}, {"role": "user", "content": "That's all. Goodbye."}])
     messages, _ = await llm.chat_messages(context)
     assert [m for m in messages if m["role"] == "user"] == [{"role": "user", "content": "Thank you. That's all. Goodbye."}]
+
+
+async def test_the_test_users_voice_says_a_line_the_same_way_every_time_and_the_agents_varies(engines):
+    # The suite's user speaks without Piper's sampling noise, so that what Whisper makes of a line
+    # does not change from run to run (a hum it read as "M-H-N." in one run was "and make sure"
+    # in another); the agent keeps Piper's natural variation.
+    repeatable = [await engines.tts.synthesize("Mhm.", repeatable=True) for _ in range(2)]
+    varied = [await engines.tts.synthesize("Mhm.") for _ in range(2)]
+    assert repeatable[0] == repeatable[1]
+    assert varied[0] != varied[1]

@@ -1,5 +1,8 @@
-"""Which speech segments of a turn still owe a transcript (frames/turn_taking/turn_stop.py)."""
+"""When a turn ends: which of its speech segments still owe a transcript, and how long the user has been quiet (frames/turn_taking/)."""
 
+from pipecat.audio.vad.vad_analyzer import VADParams, VADState
+
+from frames.turn_taking.turn_models import SharedSileroVADAnalyzer
 from frames.turn_taking.turn_stop import TRANSCRIPT_WAIT_SECS, TranscriptsOwed
 
 
@@ -32,3 +35,30 @@ def test_a_late_transcript_is_not_taken_for_the_next_segments():
     assert owed.awaiting(TRANSCRIPT_WAIT_SECS + 0.7), "the question's transcript is still owed"
     owed.transcript_arrived()  # the question
     assert not owed.awaiting(TRANSCRIPT_WAIT_SECS + 0.8)
+
+
+async def test_the_vad_counts_the_quiet_it_heard_and_a_voice_resets_it_before_it_is_called_speech(say):
+    # The complete-turn hold is timed by this count: audio, not the clock, so a busy machine's
+    # late audio cannot release a reply before the VAD has heard whether the user went on.
+    vad = SharedSileroVADAnalyzer(params=VADParams(start_secs=0.2, stop_secs=0.2))
+    vad.set_sample_rate(16000)
+
+    async def hear(pcm: bytes) -> list[tuple[VADState, float]]:
+        """The VAD's state and quiet count after each 20 ms frame of `pcm`."""
+        heard = []
+        for at in range(0, len(pcm) - 639, 640):
+            state = await vad.analyze_audio(pcm[at : at + 640])
+            heard.append((state, vad.quiet_audio_secs))
+        return heard
+
+    speech = await say("What is the capital of France?")
+    await hear(speech)
+    quiet = await hear(bytes(2 * 16000))  # a second of silence
+    assert quiet[-1][0] is VADState.QUIET
+    assert 0.98 <= quiet[-1][1] <= 1.1, quiet[-1]  # all of it, and the speech's own quiet tail
+    again = await hear(speech[: 2 * 8000])  # the user goes on
+    voiced = [i for i, (state, _) in enumerate(again) if state is not VADState.QUIET]
+    speaking = [i for i, (state, _) in enumerate(again) if state is VADState.SPEAKING]
+    assert voiced and speaking and voiced[0] < speaking[0], again
+    assert again[voiced[0]][1] == 0.0, "a voice the VAD has not yet called speech already ends the quiet"
+    await vad.cleanup()

@@ -1,6 +1,7 @@
 """Silero VAD and smart-turn v3.2 for every conversation, with each ONNX model loaded once per process."""
 
 import threading
+import time
 from importlib.resources import files
 from typing import Protocol
 
@@ -69,11 +70,21 @@ class SharedSileroVADAnalyzer(SileroVADAnalyzer):
         self._pause_listener = pause_listener
         self._quiet_secs = 0.0  # audio heard since speech dipped (the STOPPING state)
         self._paused = False
+        # Audio analyzed since the VAD last heard a voice (STARTING or SPEAKING): how long the user
+        # has been quiet, counted in what was heard rather than in wall-clock time, which runs
+        # ahead of the audio on a busy machine. A voice that the VAD has not yet called speech
+        # (STARTING) counts as the user going on.
+        self.quiet_audio_secs = 0.0
+        self.audio_at = 0.0  # time.monotonic() when audio last came in
 
     async def analyze_audio(self, buffer: bytes) -> VADState:
+        self.audio_at = time.monotonic()
         state = await super().analyze_audio(buffer)
+        seconds = len(buffer) / 2 / self.sample_rate
+        voiced = state in (VADState.STARTING, VADState.SPEAKING)
+        self.quiet_audio_secs = 0.0 if voiced else self.quiet_audio_secs + seconds
         if self._pause_listener is not None:
-            self._follow_pause(state, len(buffer) / 2 / self.sample_rate)
+            self._follow_pause(state, seconds)
         return state
 
     def _follow_pause(self, state: VADState, seconds: float) -> None:

@@ -15,16 +15,22 @@ from pipecat.turns.user_stop import NormalizedMatch, TurnAnalyzerUserTurnStopStr
 from pipecat.utils.string import TextPartForConcatenation, concatenate_aggregated_text
 
 from frames.pipecat_internals import turn_stop_state
+from frames.turn_taking.turn_models import SharedSileroVADAnalyzer
 
 # Longest wait for one speech segment's transcript (Whisper's p99 is ~0.9 s on 2 busy cores).
 # A segment Whisper hears no words in never gets one; after this the turn goes on without it.
 TRANSCRIPT_WAIT_SECS = 2.0
 # How long after the VAD's stop a complete turn's reply is held back, generating, before it is
-# released. A user who breathes after a complete-sounding sentence (0.35 s in the monologue
-# scenario) and goes on is heard again ~0.3 s after the stop; a reply already playing by then would
-# talk over them. The reply's first words take about this long to generate anyway, so the hold
-# rarely delays them.
-COMPLETE_TURN_HOLD_SECS = 0.4
+# released: quiet audio heard after the stop (see SharedSileroVADAnalyzer.quiet_audio_secs). A
+# user who breathes after a complete-sounding sentence (0.35 s in the monologue scenario) and goes
+# on has a voice again ~0.15 s after the stop, which the VAD hears within a window or two and holds
+# the reply on until it calls it speech (the speculation is then withdrawn) or not. A reply already
+# playing by then would talk over them. The reply's first words take longer than this to generate
+# anyway, so the hold rarely delays them.
+COMPLETE_TURN_HOLD_SECS = 0.3
+# A client that sends nothing while the user is quiet (Opus DTX, silence suppression) gives the
+# VAD no quiet to count: once no audio has come for this long, the hold is timed by the clock.
+NO_AUDIO_SECS = 0.3
 
 
 class TranscriptsOwed:
@@ -79,14 +85,15 @@ class SpeculativeTurnStopStrategy(TurnAnalyzerUserTurnStopStrategy):
     the turn, throwing the speculation away to answer the same words again. So a speculation
     also confirms itself after smart-turn's silence timeout, counted in wall-clock time.
 
-    A turn smart-turn finds complete is answered speculatively too, until COMPLETE_TURN_HOLD_SECS
-    after the VAD's stop: the LLM starts at once, and the reply is released if the user has not
-    spoken again by then.
+    A turn smart-turn finds complete is answered speculatively too, until the VAD has heard
+    COMPLETE_TURN_HOLD_SECS of quiet after its stop: the LLM starts at once, and the reply is
+    released if the user has not spoken again by then.
     """
 
-    def __init__(self, *, speculate: bool = True, **kwargs):
+    def __init__(self, *, speculate: bool = True, vad: SharedSileroVADAnalyzer | None = None, **kwargs):
         super().__init__(**kwargs)
         self._speculate = speculate
+        self._vad = vad  # the conversation's VAD, whose quiet audio times the complete-turn hold
         self._match = NormalizedMatch()
         # This turn's transcripts, joined as the user aggregator joins them into the user message
         # (the base class keeps only the latest one).
@@ -167,7 +174,7 @@ class SpeculativeTurnStopStrategy(TurnAnalyzerUserTurnStopStrategy):
             await super()._maybe_trigger_user_turn_stopped()
 
     async def trigger_user_turn_stopped(self, *, enable_user_speaking_frames: bool | None = None):
-        hold = COMPLETE_TURN_HOLD_SECS - (time.monotonic() - self._vad_stopped_at)
+        hold = self._hold_left()
         if self._speculate and self._parts and hold > 0.01 and not turn_stop_state(self)["user_speaking"]:
             await self._hold_complete_turn(hold)
             return
@@ -191,6 +198,14 @@ class SpeculativeTurnStopStrategy(TurnAnalyzerUserTurnStopStrategy):
         await self._withdraw("the turn ended unresolved")
         self._parts, self._owed, self._stop_held = [], TranscriptsOwed(), False
         await super()._reset()
+
+    def _hold_left(self) -> float:
+        """Seconds of the complete-turn hold still to run. While audio lags behind the clock, the
+        hold waits for it: a reply is released only once the VAD has heard the quiet itself."""
+        now = time.monotonic()
+        if self._vad is None or now - self._vad.audio_at >= NO_AUDIO_SECS:
+            return COMPLETE_TURN_HOLD_SECS - (now - self._vad_stopped_at)
+        return COMPLETE_TURN_HOLD_SECS - (self._vad.quiet_audio_secs - self._vad.params.stop_secs)
 
     def _awaiting_transcript(self) -> bool:
         return self._owed.awaiting(time.monotonic())
