@@ -257,7 +257,7 @@ MONOLOGUE = [
     "and then in the afternoon my sister came over with her two kids,",
     "and we baked an apple pie together while the kids played in the garden,",
     "and on Sunday we all drove to the lake and went swimming even though the water was cold,",
-    "and after that we had a picnic on the grass and watched the boats,",
+    "and after that we had a picnic on the grass and watched the boats go by for a while,",
     "and my nephew caught a tiny fish with his hands and then let it go again,",
     "and when we got home everyone was so tired that we fell asleep on the sofa,",
     "and this morning I woke up hungry and found nothing in the fridge but milk,",
