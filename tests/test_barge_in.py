@@ -13,16 +13,20 @@ from pipecat.utils.asyncio.task_manager import TaskManager
 from frames.turn_taking.barge_in import BargeInTurnStartStrategy
 from frames.turn_taking.playback import PlaybackGate, PlaybackState
 from services.echo import EchoCanceller
+from services.stt import Transcript, TranscriptSegment
 from tests.test_echo import MIC_RATE, USER_STARTS_S, reply_24k, run_call, speakerphone, user_16k  # noqa: F401 (fixtures)
 
 BOT = "the dragon hoped the village would stop fearing him"
 
 
-async def sound_over_the_bot(transcript: str, *, bot_said: str, canceller: EchoCanceller | None, call=None) -> tuple[bool, PlaybackGate]:
+async def sound_over_the_bot(
+    transcript: str, *, bot_said: str, canceller: EchoCanceller | None, call=None, result: Transcript | None = None
+) -> tuple[bool, PlaybackGate]:
     """A sound while the bot talks, then its transcript: did it take the turn?
 
     With `call` (played, microphone), the call runs through `canceller` and the sound is its
-    stretch from USER_STARTS_S on; without it the canceller has heard nothing."""
+    stretch from USER_STARTS_S on; without it the canceller has heard nothing. `result`: the
+    STT's transcript behind the text, with Whisper's doubts."""
     gate = PlaybackGate()
     gate.recent_words.extend(bot_said.lower().split())
     strategy = BargeInTurnStartStrategy(gate, canceller=canceller)
@@ -45,7 +49,7 @@ async def sound_over_the_bot(transcript: str, *, bot_said: str, canceller: EchoC
         run_call(canceller, *call, from_s=USER_STARTS_S + 0.2, to_s=USER_STARTS_S + 1.0)
     await strategy.process_frame(VADUserStoppedSpeakingFrame())
     assert gate.paused, "a sound over the bot pauses it at once"
-    await strategy.process_frame(TranscriptionFrame(transcript, "user", "now"))
+    await strategy.process_frame(TranscriptionFrame(transcript, "user", "now", result=result))
     await strategy.cleanup()
     return bool(started), gate
 
@@ -81,3 +85,21 @@ async def test_without_echo_cancellation_any_real_word_takes_the_turn():
     assert took_turn
     took_turn, _ = await sound_over_the_bot("Mhm.", bot_said=BOT, canceller=None)
     assert not took_turn
+
+
+def heard(text: str, no_speech_prob: float) -> Transcript:
+    return Transcript(text, "en", 1.0, 1.0, 0.4, [TranscriptSegment(0.0, 1.0, text, -0.9, no_speech_prob)])
+
+
+async def test_words_whisper_doubts_were_speech_are_echo_over_a_speakerphone():
+    # Recorded in the echo scenario on a busy machine: the canceller kept much of the echo, and
+    # Whisper made "Be careful." of it (no speech 0.49). Users' cut-ins over the echo: up to 0.44.
+    doubted = heard("Be careful.", 0.49)
+    took_turn, gate = await sound_over_the_bot(doubted.text, bot_said=BOT, canceller=EchoCanceller(MIC_RATE), result=doubted)
+    assert not took_turn and gate.state is PlaybackState.PLAYING
+    sorry = heard("Sorry.", 0.44)
+    took_turn, _ = await sound_over_the_bot(sorry.text, bot_said=BOT, canceller=EchoCanceller(MIC_RATE), result=sorry)
+    assert took_turn
+    # Without a canceller nothing is echo: the same doubted words take the turn.
+    took_turn, _ = await sound_over_the_bot(doubted.text, bot_said=BOT, canceller=None, result=doubted)
+    assert took_turn

@@ -40,6 +40,13 @@ class BargeInPolicy:
 # makes of it ("We'll see you next time."): measured in tests/test_echo.py's call, echo alone
 # keeps -24 to -35 dB, a user 9 dB quieter than the echo still -13 dB.
 ECHO_KEPT_DB = -18.0
+# Over a speakerphone, words Whisper itself doubts were speech are echo residue too. While the
+# canceller converges (a reply's first seconds) or re-adapts (a busy machine), it keeps much of
+# the echo, and Whisper makes short phrases of it. Measured in the suite's scenarios: residue that
+# took the turn had no-speech probabilities of 0.48-0.76 ("Be careful.", "This tool.", "That's
+# bad."); the users' cut-ins over the echo, 0.02-0.44 ("Stop." 0.31-0.44). A cut-in doubted this
+# much still takes the turn by its length (BargeInPolicy.min_speech_secs).
+ECHO_NO_SPEECH_PROB = 0.45
 SOUND_LEAD_FRAMES = 50  # 10 ms frames: VAD reports speech ~0.2 s in, and the transport queues some
 
 
@@ -72,8 +79,9 @@ class BargeInTurnStartStrategy(BaseUserTurnStartStrategy):
 
     Over a speakerphone (`canceller` given) the echo canceller leaves some of the bot's voice,
     and Whisper writes it down as the bot's words or invents some. Two rules keep that from
-    taking the turn: a sound the canceller removed nearly all of is echo, and words the bot has
-    just said (or near spellings of them, "hope" for "hoped") are not counted.
+    taking the turn: a sound the canceller removed nearly all of, or one Whisper doubts held
+    speech at all, is echo; and words the bot has just said (or near spellings of them, "hope"
+    for "hoped") are not counted.
     """
 
     def __init__(
@@ -128,7 +136,7 @@ class BargeInTurnStartStrategy(BaseUserTurnStartStrategy):
             if self._canceller is not None:
                 self._sound_frames = (self._sound_frames[0], self._canceller.frames)
         elif isinstance(frame, (TranscriptionFrame, InterimTranscriptionFrame)):
-            return await self._judge_transcript(frame.text)
+            return await self._judge_transcript(frame.text, getattr(frame.result, "no_speech_prob", 0.0))
         return ProcessFrameResult.CONTINUE
 
     def _listen(self):
@@ -138,7 +146,7 @@ class BargeInTurnStartStrategy(BaseUserTurnStartStrategy):
         if self._judging is None:
             self._judging = self.create_task(self._judge_by_time(), "judge_barge_in")
 
-    async def _judge_transcript(self, text: str) -> ProcessFrameResult:
+    async def _judge_transcript(self, text: str, no_speech_prob: float) -> ProcessFrameResult:
         # A sound that paused the bot is judged by its words even if the bot's audio stopped in the
         # meantime (a reply's next sentence still being synthesized on a busy machine): "mhm"
         # must not become a turn because its transcript came during a gap.
@@ -149,7 +157,10 @@ class BargeInTurnStartStrategy(BaseUserTurnStartStrategy):
         self._sound_over_bot = False
         words = real_words(text)
         if self._canceller is not None:
-            words = [] if self._sound_is_echo() else [w for w in words if not echoed(w, self._gate.recent_words)]
+            if self._sound_is_echo() or no_speech_prob >= ECHO_NO_SPEECH_PROB:
+                words = []
+            else:
+                words = [w for w in words if not echoed(w, self._gate.recent_words)]
         if len(words) >= self._policy.min_words:
             logger.debug(f"{self}: barge-in on [{text}]")
             await self._barge_in()
