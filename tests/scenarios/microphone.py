@@ -26,6 +26,15 @@ def samples(speech: bytes) -> np.ndarray:
     return np.frombuffer(speech, dtype=np.int16).astype(np.float32)
 
 
+def without_quiet_ends(audio: np.ndarray, threshold: float = 300.0, keep: float = 0.03) -> np.ndarray:
+    """`audio` without the near-silence Piper leaves before and after its words (up to 0.36 s at
+    the end), but for `keep` seconds of it: a gap put between two clips is then the gap heard."""
+    frames = audio[: audio.size // 160 * 160].reshape(-1, 160)
+    loud = np.nonzero(np.sqrt((frames**2).mean(axis=1)) > threshold)[0]
+    margin = int(keep * RATE)
+    return audio[max(0, loud[0] * 160 - margin) : (loud[-1] + 1) * 160 + margin]
+
+
 def noise_burst(seconds: float, rms: float = 3000.0, seed: int = 0) -> np.ndarray:
     """A cough-like burst: noise shaped to speech frequencies, with a sharp attack and a fast decay."""
     rng = np.random.default_rng(seed)
