@@ -21,12 +21,13 @@ from frames.turn_taking.turn_models import SharedSileroVADAnalyzer
 # A segment Whisper hears no words in never gets one; after this the turn goes on without it.
 TRANSCRIPT_WAIT_SECS = 2.0
 # How long after the VAD's stop a complete turn's reply is held back, generating, before it is
-# released: quiet audio heard after the stop (see SharedSileroVADAnalyzer.quiet_audio_secs). The
-# monologue scenario breathes 0.55-0.75 s after complete-sounding sentences (0.35 s between its
-# clips plus Piper's own silence at their ends) and goes on, 0.35-0.55 s after the stop; a reply
-# playing by then would talk over it. A voice the VAD hears within the hold keeps the reply held
-# until the VAD calls it speech (the speculation is then withdrawn) or not. 0.3 s released
-# replies inside those breaths. The reply's first words take about this long to generate anyway.
+# released: quiet audio heard after the stop (see SharedSileroVADAnalyzer.quiet_audio_secs). A user
+# who breathes after a complete-sounding sentence (0.35 s in the monologue scenario) and goes on
+# has a voice again ~0.15 s after the stop, which the VAD hears within a window or two: that keeps
+# the reply held until the VAD calls it speech (the speculation is then withdrawn) or not. A reply
+# playing by then would talk over them. Pauses of 0.6 s or more after a complete sentence are
+# answered: at 0.3 s the hold released replies inside such pauses too. The reply's first words take
+# about this long to generate anyway.
 COMPLETE_TURN_HOLD_SECS = 0.4
 # A client that sends nothing while the user is quiet (Opus DTX, silence suppression) gives the
 # VAD no quiet to count: once no audio has come for this long, the hold is timed by the clock.
