@@ -1,4 +1,4 @@
-"""The private internals of Pipecat, transformers and snac the product reaches into: each still where it was.
+"""The private internals of Pipecat, livekit-rtc, transformers and snac the product reaches into: each still where it was.
 
 Each test names the one function that holds the reach; when a library upgrade breaks one, fix
 that function, not its callers.
@@ -6,6 +6,9 @@ that function, not its callers.
 
 import asyncio
 import inspect
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -190,3 +193,46 @@ def test_pipecats_websocket_transport_still_reads_every_message_with_receive():
     source = inspect.getsource(pipecat_fastapi)
     assert "await self._websocket.receive()" in source
     assert not any(f"_websocket.{way}" in source for way in ("iter_bytes", "iter_text", "receive_bytes", "receive_text", "receive_json"))
+
+
+# A fresh interpreter: the test process may have built livekit-rtc's FFI client already.
+RTC_RUNTIME_RACE = """
+import os, threading
+from livekit.rtc._ffi_client import FfiClient
+from agent.transports.livekit import start_rtc_runtime
+
+built = []
+build = FfiClient.__init__
+def counted(self):
+    built.append(threading.current_thread().name)
+    build(self)
+FfiClient.__init__ = counted
+
+start_rtc_runtime()
+barrier, seen = threading.Barrier(8), []
+def job_thread():
+    barrier.wait()  # all eight ask for the client at the same moment, as jobs joining rooms do
+    seen.append(id(FfiClient.instance))
+threads = [threading.Thread(target=job_thread) for _ in range(8)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+print(len(built), len(set(seen)), flush=True)
+os._exit(0)
+"""
+
+
+def test_the_rtc_runtime_started_up_front_is_the_one_every_job_thread_gets():
+    # agent.transports.livekit.start_rtc_runtime. Without it, eight threads asking at once built
+    # three or four FFI clients on livekit 1.1.21, and the rooms on the orphans never connected.
+    run = subprocess.run(
+        [sys.executable, "-c", RTC_RUNTIME_RACE],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    built, distinct = run.stdout.split()
+    assert (built, distinct) == ("1", "1"), f"{built} FFI clients built, job threads saw {distinct}"

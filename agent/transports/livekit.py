@@ -64,6 +64,22 @@ def user_token(settings: Settings, room: str, identity: str) -> str:
     )
 
 
+def start_rtc_runtime() -> None:
+    """Create livekit-rtc's one FFI client now, on this thread, before any job thread can.
+
+    livekit 1.1.21 builds it lazily in `FfiClient.instance`, with no lock, and the build releases
+    the GIL (a ctypes call into the native library). Rooms joined at the same moment from the
+    THREAD executor's job threads each built one: every room but one subscribed to an orphaned
+    event queue, never heard its ConnectCallback, and 15 s later the FFI's "timed out waiting for
+    ReadyForRoomEventRequest" panic made the SDK SIGTERM the whole agent, every conversation in
+    it. A private reach, checked against livekit 1.1.21; tests/test_library_internals.py fails
+    when it moves.
+    """
+    from livekit.rtc._ffi_client import FfiClient
+
+    FfiClient.instance  # noqa: B018 (the property builds and keeps the singleton)
+
+
 def create_agent_server(engines: Engines, admission: Admission) -> AgentServer:
     """An AgentServer whose jobs all run in this process (THREAD executor) and share `engines`."""
     settings, sessions = admission.settings, admission.sessions
@@ -204,6 +220,7 @@ class LiveKitRooms:
         return self.agent_server.id if self.agent_server is not None else None
 
     def start(self, engines: Engines) -> None:
+        start_rtc_runtime()
         self.agent_server = create_agent_server(engines, self._admission)
         self._worker = asyncio.create_task(self._run())
 
