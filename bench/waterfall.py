@@ -124,12 +124,18 @@ async def call(
     runs = []
     for n in range(callers):
         result = json.loads((out / f"caller-{n}" / "turns.json").read_text())
-        runs.append(CallerRun(transport, result["turns"], _log_for(result["turns"], logs.values())))
+        runs.append(CallerRun(transport, result["turns"], _log_for(result, logs)))
     return runs
 
 
-def _log_for(client_turns: list[dict], logs) -> TurnLog | None:
-    """The agent's log of the conversation this caller had: the one whose turns ended while it spoke."""
+def _log_for(result: dict, logs: dict[str, TurnLog]) -> TurnLog | None:
+    """The agent's log of the conversation this caller had: by the session key the caller learned
+    (a LiveKit room, a peer id), else the one whose turns ended while it spoke. Callers that speak
+    at the same moment all overlap every log, so only the key tells them apart."""
+    if result.get("session") in logs:
+        return logs[result["session"]]
+    client_turns = result["turns"]
+
     def overlap(log: TurnLog) -> int:
         return sum(
             1
@@ -138,7 +144,7 @@ def _log_for(client_turns: list[dict], logs) -> TurnLog | None:
             if row["speech_started"] <= turn.at.get("speech_end", -1) <= (row["first_heard"] or row["voiced_end"] + 30)
         )
 
-    best = max(logs, key=overlap, default=None)
+    best = max(logs.values(), key=overlap, default=None)
     return best if best is not None and overlap(best) else None
 
 

@@ -87,11 +87,13 @@ class Microphone:
 class Transport:
     """A connection to the agent. `connect(mic)` joins and starts the microphone streaming
     (real-time, 20 ms frames, silence between clips); `heard` collects the agent's audio as it
-    arrives, at `rate`; `failure` says why the connection ended, if it did."""
+    arrives, at `rate`; `failure` says why the connection ended, if it did; `session` is the
+    agent's key for this conversation where the transport learns it (a LiveKit room, a peer id)."""
 
     rate: int
     heard: list
     failure: str | None = None
+    session: str | None = None
 
     async def connect(self, mic: Microphone) -> None:
         raise NotImplementedError
@@ -259,6 +261,7 @@ class PeerTransport(Transport):
         await self.pc.setLocalDescription(await self.pc.createOffer())
         offer = {"sdp": self.pc.localDescription.sdp, "type": self.pc.localDescription.type}
         answer = await post_json(self.url, self.api_key, offer)
+        self.session = answer.get("pc_id")
         await self.pc.setRemoteDescription(RTCSessionDescription(answer["sdp"], answer["type"]))
         try:
             track = await asyncio.wait_for(agent_track, timeout=15)
@@ -320,6 +323,7 @@ class LiveKitTransport(Transport):
         from harness.livekit_caller import LiveKitCaller  # the LiveKit SDK loads only when used
 
         session = await post_json(self.url, self.api_key)
+        self.session = session.get("room")
         self.caller = LiveKitCaller(session["url"], session["token"])
         try:
             await self.caller.join()
@@ -460,7 +464,7 @@ async def run(args: argparse.Namespace) -> int:
             await transport.close()
         except Exception:
             pass
-    (out / "turns.json").write_text(json.dumps({"transport": args.transport, "turns": turns}, indent=2) + "\n")
+    (out / "turns.json").write_text(json.dumps({"transport": args.transport, "session": transport.session, "turns": turns}, indent=2) + "\n")
     if events:
         (out / "events.json").write_text(json.dumps(events, indent=1, default=str) + "\n")
     if failure:
