@@ -105,6 +105,8 @@ async def health(request: Request):
     app, engines = request.app, request.app.state.engines
     if engines is None or not engines.ready:
         return JSONResponse({"status": "failed" if app.state.load_failed else "loading"}, status_code=503)
+    if engines.llm.failure is not None:
+        return JSONResponse({"status": "failed", "reason": f"LLM: {engines.llm.failure}"}, status_code=503)
     livekit = app.state.livekit
     if livekit is not None and livekit.stopped:
         return JSONResponse({"status": "failed", "reason": "the LiveKit worker stopped"}, status_code=503)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from loguru import logger
 
-from agent.config import Settings
+from agent.config import Settings, environment_without_secrets
 from services import bundled
 from services.batcher import DynamicBatcher
 from services.engine import Engine
@@ -69,7 +69,9 @@ def load_llm(settings: Settings) -> TransformersLLMEngine:
         bundled.llm_path(settings.llm_model, settings.cache_dir),
         cache_dir=settings.cache_dir,
         **settings.of_stage("llm", "gguf_file", "device", "dtype", "cpu_threads", "max_new_tokens", "temperature"),
-        **settings.of_stage("llm", "max_batch", "kv_cache_tokens"),
+        **settings.of_stage("llm", "max_batch", "kv_cache_tokens", "own_process"),
+        child_env=environment_without_secrets(),
+        child_secrets={"HF_TOKEN": settings.hf_token.get_secret_value()} if settings.hf_token else None,
     )
     warn_if_tools_unsupported(settings, llm)
     return llm

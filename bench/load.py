@@ -48,6 +48,8 @@ async def step(n: int, transport: str, port: int, app, engines, asked, wavs, scr
     runs = await call(transport, port, wavs, app.state.sessions.snapshot, scratch / f"{transport}-{n}", callers=n)
     wall = time.perf_counter() - started
     rows = [row for run in runs for row in await judge(engines, run, asked)]
+    llm_pid = getattr(engines.llm.generator, "pid", None)
+    llm_rss = process_memory_mb(llm_pid)["rss"] if llm_pid is not None else None
     v2v = [r["voice_to_voice"] for r in rows if r["voice_to_voice"] is not None]
     result = {
         "callers": n,
@@ -59,6 +61,9 @@ async def step(n: int, transport: str, port: int, app, engines, asked, wavs, scr
         "underruns": sum(run.agent.underruns for run in runs if run.agent is not None),
         "conversations_logged": sum(run.agent is not None for run in runs),
         "rss_mb": process_memory_mb()["rss"],
+        # The LLM's own process (LLM_OWN_PROCESS), counted apart and in the total.
+        "llm_process_rss_mb": llm_rss,
+        "total_rss_mb": process_memory_mb()["rss"] + (llm_rss or 0.0),
         "wall_seconds": wall,
         "turns": rows,
     }
@@ -112,7 +117,7 @@ async def main(args) -> None:
     print(f"{'callers':>7} {'answered':>9} {'right':>6} {'v2v p50':>8} {'v2v p95':>8} {'underruns':>9} {'RSS MB':>7}")
     for s in steps:
         print(f"{s['callers']:>7} {s['answered']:>4}/{s['asked']:<4} {s['correct']:>6} {fmt(s['v2v_p50']):>8} "
-              f"{fmt(s['v2v_p95']):>8} {s['underruns']:>9} {s['rss_mb']:>7.0f}")  # fmt: skip
+              f"{fmt(s['v2v_p95']):>8} {s['underruns']:>9} {s['total_rss_mb']:>7.0f}")  # fmt: skip
     out = args.out or RESULTS / f"load-{settings.profile}.json"
     write_json(out, {
         "date": now_iso(),

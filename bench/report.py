@@ -63,8 +63,8 @@ def machine_info(load_average_1m, **extra):
     }
 
 
-def process_memory_mb() -> dict[str, float]:
-    """This process' resident memory, MB: rss = anon (heap, tensors) + file (mapped files) + shmem.
+def process_memory_mb(pid: int | str = "self") -> dict[str, float]:
+    """A process' resident memory (this one's by default), MB: rss = anon (heap, tensors) + file (mapped files) + shmem.
 
     `pss` counts a page mapped k times as 1/k each time: a file mapped twice (a safetensors
     checkpoint loaded twice) is in `rss` twice but in `pss` about once. `peak` is the highest RSS
@@ -72,7 +72,7 @@ def process_memory_mb() -> dict[str, float]:
     """
     fields = {"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file", "VmHWM": "peak", "Pss": "pss"}
     memory = {}
-    for status in ("/proc/self/status", "/proc/self/smaps_rollup"):
+    for status in (f"/proc/{pid}/status", f"/proc/{pid}/smaps_rollup"):
         for line in Path(status).read_text().splitlines():
             name, _, value = line.partition(":")
             if name in fields:

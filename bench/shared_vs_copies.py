@@ -137,7 +137,8 @@ def print_comparison(rows: list[tuple]) -> None:
 
 async def main(args):
     # Greedy, so both sides should generate the same text.
-    settings = Settings(profile="cpu", device="cpu", llm_temperature=0.0, greeting="")
+    # The LLM in this process, as the copies are: the memory compared is this process'.
+    settings = Settings(profile="cpu", device="cpu", llm_temperature=0.0, greeting="", llm_own_process=False)
     out = args.out or Path(__file__).parent / "results" / "shared-vs-copies-cpu.json"
     started = time.perf_counter()
     baseline = process_memory_mb()
@@ -162,9 +163,9 @@ async def main(args):
         print("one more faster-whisper model ...", flush=True)
         whisper_memory = whisper_copy_memory(settings, speech)
         # The directory the engine loaded (the GGUF converted once under CACHE_DIR), so the copies are the same model.
-        llm_path = llm.model.name_or_path
+        llm_path = llm.source
         print(f"{args.sessions} copies of the LLM from {llm_path} ...", flush=True)
-        models, llm_memory = load_llm_copies(llm_path, llm.model.dtype, args.sessions, prompts[0], pad_token_id)
+        models, llm_memory = load_llm_copies(llm_path, torch.float32, args.sessions, prompts[0], pad_token_id)
         print(f"{args.sessions} generate() calls at once, one thread and one copy each ...", flush=True)
         copies_ids, copies_seconds = copies_generation(models, prompts, args.max_new_tokens, pad_token_id)
     finally:

@@ -73,6 +73,7 @@ class ContinuousBatchGenerator:
         if logits_processors:
             insert_logits_processors(self._manager, logits_processors)
         self._manager.start()
+        self._closed = False
         self._dispatch_loop = asyncio.new_event_loop()
         threading.Thread(
             target=self._dispatch_loop.run_forever, name=f"{name}-dispatch", daemon=True
@@ -168,7 +169,13 @@ class ContinuousBatchGenerator:
     def in_flight(self) -> int:
         return len(self._active)
 
+    @property
+    def failure(self) -> str | None:
+        """Why no request can be served any more (the generation thread stopped), or None."""
+        return None if self._manager.is_running() or self._closed else "the generation thread stopped"
+
     def close(self) -> None:
+        self._closed = True
         if self._manager.is_running():
             self._manager.stop(block=True, timeout=5)
         self._dispatch_loop.call_soon_threadsafe(self._dispatch_loop.stop)

@@ -7,6 +7,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -14,6 +15,7 @@ from loguru import logger
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from services.batched_generation import ContinuousBatchGenerator, resolve_dtype
+from services.generation_process import GeneratorProcess
 from services.quantized_linear import pack_4bit_linear_layers, quantize_output_layer
 from services.spoken_reply import SpokenReply
 from services.tool_calls import ToolCall, ToolCallSplitter
@@ -22,50 +24,84 @@ SAMPLING_TOP_P = 0.9  # nucleus sampling, when LLM_TEMPERATURE > 0
 MAX_BATCH_TOKENS = 1024  # prompt + generated tokens one batched step may process
 
 
+def load_model(source: str, *, device: str, dtype: str, cpu_threads: int):
+    """The model from an HF hub id or directory, on `device`; on CPU with `dtype` auto, its 4-bit
+    layers on torch's int4 kernel and its output layer on the int8 kernel."""
+    started = time.perf_counter()
+    if device == "cpu":
+        # The continuous-batching thread takes torch's thread count as it is when it starts.
+        torch.set_num_threads(cpu_threads)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=resolve_dtype(dtype, device)).to(device).eval()
+    loaded_as = str(model.dtype)
+    if device == "cpu" and dtype == "auto":
+        packed, kept = pack_4bit_linear_layers(model)
+        loaded_as += f", {packed} of {packed + kept} Linear layers on the int4 kernel"
+        if quantize_output_layer(model):
+            loaded_as += ", the output layer on the int8 kernel"
+    logger.info(f"LLM {source} loaded on {device} as {loaded_as} in {time.perf_counter() - started:.1f}s")
+    return model
+
+
+def load_batch_generator(
+    source: str,
+    *,
+    device: str,
+    dtype: str,
+    cpu_threads: int,
+    max_new_tokens: int,
+    temperature: float,
+    max_batch: int,
+    kv_cache_tokens: int,
+) -> ContinuousBatchGenerator:
+    """The model of `source` in a continuous batch (run in the agent's process or in a child)."""
+    model = load_model(source, device=device, dtype=dtype, cpu_threads=cpu_threads)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return ContinuousBatchGenerator(
+        model,
+        GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            do_sample=temperature > 0,
+            temperature=temperature if temperature > 0 else None,
+            top_p=SAMPLING_TOP_P if temperature > 0 else None,
+            eos_token_id=eos,
+            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
+        ),
+        max_batch_requests=max_batch,
+        kv_cache_tokens=kv_cache_tokens,
+        max_batch_tokens=MAX_BATCH_TOKENS,
+        name="llm",
+    )
+
+
 class TransformersLLMEngine:
     """A chat model whose requests from all conversations share one continuous batch.
 
     `stream()` yields text deltas; leaving the loop early (or `cancel(id)`) cancels the request
-    inside the batch so its slot and KV cache are freed at once.
+    inside the batch so its slot and KV cache are freed at once. The batch runs in this process or,
+    with `own_process`, in a child of its own (`GeneratorProcess`); the tokenizer is always here.
     """
 
     loads = 0  # models loaded in this process: sessions must share, never add to this
 
     def __init__(
         self,
-        model,
+        generator: "ContinuousBatchGenerator | GeneratorProcess",
         tokenizer,
         *,
         name: str,
+        source: str,
         max_new_tokens: int,
-        temperature: float,
-        max_batch: int,
-        kv_cache_tokens: int,
     ):
-        self.name = name
         TransformersLLMEngine.loads += 1
-        self.model = model
+        self.generator = generator
         self.tokenizer = tokenizer
+        self.name = name
+        self.source = source  # the HF directory or hub id the model was loaded from
         self.max_new_tokens = max_new_tokens
-        eos = model.generation_config.eos_token_id
-        if eos is None:
-            eos = tokenizer.eos_token_id
-        self.generator = ContinuousBatchGenerator(
-            model,
-            GenerationConfig(
-                max_new_tokens=max_new_tokens,
-                do_sample=temperature > 0,
-                temperature=temperature if temperature > 0 else None,
-                top_p=SAMPLING_TOP_P if temperature > 0 else None,
-                eos_token_id=eos,
-                pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
-            ),
-            max_batch_requests=max_batch,
-            kv_cache_tokens=kv_cache_tokens,
-            max_batch_tokens=MAX_BATCH_TOKENS,
-            name="llm",
-        )
-        self.stats = self.generator.stats
+        self.stats = generator.stats
 
     @classmethod
     def load(
@@ -77,28 +113,38 @@ class TransformersLLMEngine:
         device: str,
         dtype: str,
         cpu_threads: int,
-        **engine_kwargs,
+        max_new_tokens: int,
+        own_process: bool = False,
+        child_env: dict[str, str] | None = None,
+        child_secrets: dict[str, str] | None = None,
+        **batch_kwargs,
     ) -> "TransformersLLMEngine":
-        """Load an HF hub id, a local HF directory, or a GGUF file (converted once, then cached)."""
+        """Load an HF hub id, a local HF directory, or a GGUF file (converted once, then cached).
+        With `own_process`, the model is loaded in the child, which gets `child_env` as its
+        environment and `child_secrets` (an HF token) through its pipe."""
         path = Path(source)
         if path.suffix == ".gguf" and path.is_file():
             source, gguf_file = str(path.parent), path.name
         if gguf_file:
             source = str(_hf_cache_of_gguf(Path(source) / gguf_file, cache_dir))
-        started = time.perf_counter()
+        build = partial(
+            load_batch_generator,
+            source,
+            device=device,
+            dtype=dtype,
+            cpu_threads=cpu_threads,
+            max_new_tokens=max_new_tokens,
+            **batch_kwargs,
+        )
         if device == "cpu":
-            # The continuous-batching thread (started below) takes torch's thread count as it is now.
+            # Torch's other users in this process (Kokoro) keep the thread count they had beside the LLM.
             torch.set_num_threads(cpu_threads)
+        if own_process:
+            generator = GeneratorProcess(build, name="llm", env=child_env, secrets=child_secrets)
+        else:
+            generator = build()
         tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=resolve_dtype(dtype, device)).to(device).eval()
-        loaded_as = str(model.dtype)
-        if device == "cpu" and dtype == "auto":
-            packed, kept = pack_4bit_linear_layers(model)
-            loaded_as += f", {packed} of {packed + kept} Linear layers on the int4 kernel"
-            if quantize_output_layer(model):
-                loaded_as += ", the output layer on the int8 kernel"
-        logger.info(f"LLM {source} loaded on {device} as {loaded_as} in {time.perf_counter() - started:.1f}s")
-        return cls(model, tokenizer, name=Path(source).name or source, **engine_kwargs)
+        return cls(generator, tokenizer, name=Path(source).name or source, source=source, max_new_tokens=max_new_tokens)
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Chat messages ({role, content: str}, and the template's tool-call messages) and the
@@ -192,6 +238,11 @@ class TransformersLLMEngine:
     @property
     def in_flight(self) -> int:
         return self.generator.in_flight
+
+    @property
+    def failure(self) -> str | None:
+        """Why this engine can serve no request any more (its generation process exited), or None."""
+        return self.generator.failure
 
     async def warmup(self) -> None:
         """The first request compiles kernels and allocates the paged cache: pay that before users do."""

@@ -11,7 +11,7 @@ from pipecat.processors.aggregators.llm_context import LLMContext
 from frames.llm import TransformersLLMService
 from harness.local_session import LocalSession
 from services.quantized_linear import Int4Linear, Int8Linear
-from services.llm import TransformersLLMEngine
+from services.llm import TransformersLLMEngine, load_model
 from services.stt import WhisperEngine
 from services.tts_piper import PiperEngine
 from harness.speech import normalize, wer
@@ -154,7 +154,8 @@ def test_the_bundled_llm_decodes_on_the_quantized_kernels(engines, settings):
     # 4-bit after transformers de-quantizes it, and the output runs in int8. If that changes,
     # decoding silently slows by half or more.
     assert settings.llm_dtype == "auto" and settings.llm_device == "cpu"
-    model = engines.llm.model
+    # The engine's model lives in its generation process: load it here the way that process does.
+    model = load_model(engines.llm.source, device="cpu", dtype="auto", cpu_threads=settings.llm_cpu_threads)
     layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, Int4Linear, Int8Linear))]
     assert [type(m) for m in layers].count(Int4Linear) == len(layers) - 1, "layers left in fp32"
     assert type(model.lm_head) is Int8Linear
