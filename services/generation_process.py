@@ -24,6 +24,7 @@ the parent chooses (no secrets).
 import argparse
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -248,6 +249,11 @@ if __name__ == "__main__":
     parser.add_argument("--read-fd", type=int, required=True)
     parser.add_argument("--write-fd", type=int, required=True)
     args = parser.parse_args()
+    # A Ctrl-C or SIGTERM for the agent's process group is the agent's to handle: it drains, and
+    # the replies it lets finish still need this process. It ends when the agent closes it or the
+    # agent's end of the pipe closes (the agent exited, however it exited).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _serve(Connection(args.read_fd, writable=False), Connection(args.write_fd, readable=False))
     # The generation threads are daemons and the batch is stopped; nothing is left to flush.
     os._exit(0)
