@@ -50,6 +50,7 @@ async def step(n: int, transport: str, port: int, app, engines, asked, wavs, scr
     rows = [row for run in runs for row in await judge(engines, run, asked)]
     llm_pid = getattr(engines.llm.generator, "pid", None)
     llm_rss = process_memory_mb(llm_pid)["rss"] if llm_pid is not None else None
+    rss = process_memory_mb()["rss"]
     v2v = [r["voice_to_voice"] for r in rows if r["voice_to_voice"] is not None]
     result = {
         "callers": n,
@@ -60,10 +61,10 @@ async def step(n: int, transport: str, port: int, app, engines, asked, wavs, scr
         "v2v_p95": percentile(v2v, 95),
         "underruns": sum(run.agent.underruns for run in runs if run.agent is not None),
         "conversations_logged": sum(run.agent is not None for run in runs),
-        "rss_mb": process_memory_mb()["rss"],
+        "rss_mb": rss,
         # The LLM's own process (LLM_OWN_PROCESS), counted apart and in the total.
         "llm_process_rss_mb": llm_rss,
-        "total_rss_mb": process_memory_mb()["rss"] + (llm_rss or 0.0),
+        "total_rss_mb": rss + (llm_rss or 0.0),
         "wall_seconds": wall,
         "turns": rows,
     }
