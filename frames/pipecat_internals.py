@@ -14,7 +14,8 @@ from pipecat.utils.text.base_text_aggregator import BaseTextAggregator
 
 # Protected hooks of TurnAnalyzerUserTurnStopStrategy that SpeculativeTurnStopStrategy overrides:
 # Pipecat has no public hook before a turn is declared stopped, nor one at turn boundaries.
-OVERRIDDEN_TURN_STOP_HOOKS = ("_maybe_trigger_user_turn_stopped", "_reset")
+# Nor one that hands a stop strategy smart-turn's probability.
+OVERRIDDEN_TURN_STOP_HOOKS = ("_maybe_trigger_user_turn_stopped", "_reset", "_handle_prediction_result")
 
 # The protected hooks of RTVIProcessor that ClientMessageGuard overrides or calls: Pipecat dispatches
 # every client message in the first and has no option to refuse a type or bound a text.

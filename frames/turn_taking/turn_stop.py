@@ -10,6 +10,7 @@ from pipecat.frames.frames import (
     VADUserStartedSpeakingFrame,
     VADUserStoppedSpeakingFrame,
 )
+from pipecat.metrics.metrics import MetricsData, TurnMetricsData
 from pipecat.turns.types import ProcessFrameResult, UserTurnSpeculation
 from pipecat.turns.user_stop import NormalizedMatch, TurnAnalyzerUserTurnStopStrategy
 from pipecat.utils.string import TextPartForConcatenation, concatenate_aggregated_text
@@ -29,6 +30,14 @@ TRANSCRIPT_WAIT_SECS = 2.0
 # answered: at 0.3 s the hold released replies inside such pauses too. The reply's first words take
 # about this long to generate anyway.
 COMPLETE_TURN_HOLD_SECS = 0.4
+# Smart-turn hears only the audio, and it doubts some plain questions: v3.2 scores Piper's "Do you
+# know what bees make?" 0.32 and "What do bees make?" 0.55 (below 0.5 it waits out its 3 s silence
+# timeout). Whisper hears the words and ends a question with "?". A trailing "um" it writes as a
+# sentence of its own ("Can you tell me? Um."), which smart-turn scores under 0.07. So a turn whose
+# transcript ends in a question mark, and that smart-turn gives at least this probability, is
+# answered after the complete-turn hold instead of the silence timeout.
+QUESTION_MIN_PROBABILITY = 0.1
+QUESTION_MARKS = ("?", "？", "؟")
 # A client that sends nothing while the user is quiet (Opus DTX, silence suppression) gives the
 # VAD no quiet to count: once no audio has come for this long, the hold is timed by the clock.
 NO_AUDIO_SECS = 0.3
@@ -88,7 +97,8 @@ class SpeculativeTurnStopStrategy(TurnAnalyzerUserTurnStopStrategy):
 
     A turn smart-turn finds complete is answered speculatively too, until the VAD has heard
     COMPLETE_TURN_HOLD_SECS of quiet after its stop: the LLM starts at once, and the reply is
-    released if the user has not spoken again by then.
+    released if the user has not spoken again by then. So is a turn smart-turn doubts whose
+    transcript is a question (see QUESTION_MIN_PROBABILITY).
     """
 
     def __init__(self, *, speculate: bool = True, vad: SharedSileroVADAnalyzer | None = None, **kwargs):
@@ -105,6 +115,7 @@ class SpeculativeTurnStopStrategy(TurnAnalyzerUserTurnStopStrategy):
         self._silence_secs = kwargs["turn_analyzer"].params.stop_secs
         self._silence_timer: asyncio.Task | None = None
         self._vad_stopped_at = 0.0  # time.monotonic() of the turn's latest VAD stop
+        self._probability = 0.0  # smart-turn's probability that the turn is complete, at the latest VAD stop
         # Pipecat hands stop strategies every frame, in a turn or not: a hum over the bot's reply
         # that the barge-in policy let go is no turn, and must not start a speculative reply.
         self._in_turn = False
@@ -134,8 +145,22 @@ class SpeculativeTurnStopStrategy(TurnAnalyzerUserTurnStopStrategy):
             and self._parts
             and not self._awaiting_transcript()
         ):
-            await self._speculate_then_confirm(self._silence_secs, "turn incomplete")
+            if self._asks_a_question():
+                await self._hold_complete_turn(max(0.0, self._hold_left()), "a question smart-turn doubts")
+            else:
+                await self._speculate_then_confirm(self._silence_secs, "turn incomplete")
         return result
+
+    def _asks_a_question(self) -> bool:
+        text = concatenate_aggregated_text(self._parts).rstrip()
+        return text.endswith(QUESTION_MARKS) and self._probability >= QUESTION_MIN_PROBABILITY
+
+    # Overrides a protected hook (see frames/pipecat_internals.py): the only place smart-turn's
+    # probability reaches the strategy.
+    async def _handle_prediction_result(self, result: MetricsData | None):
+        if isinstance(result, TurnMetricsData):
+            self._probability = result.probability
+        await super()._handle_prediction_result(result)
 
     async def _speculate_then_confirm(self, seconds: float, why: str):
         """Answer the turn's text speculatively (if not already) and confirm it after `seconds` more of quiet."""
@@ -153,12 +178,12 @@ class SpeculativeTurnStopStrategy(TurnAnalyzerUserTurnStopStrategy):
             logger.debug(f"{self}: {seconds:.1f}s more of silence, the speculative reply stands")
             await self.trigger_user_turn_stopped()
 
-    async def _hold_complete_turn(self, hold_secs: float):
+    async def _hold_complete_turn(self, hold_secs: float, why: str = "turn complete"):
         """Answer the complete turn speculatively; release the reply after `hold_secs` more of quiet."""
         text = concatenate_aggregated_text(self._parts)
         if self._speculation is not None and not self._match.matches(self._speculation.text, text):
             await self._withdraw("the turn's text changed")
-        await self._speculate_then_confirm(hold_secs, "turn complete")
+        await self._speculate_then_confirm(hold_secs, why)
 
     async def handle_user_turn_started(self):
         await super().handle_user_turn_started()
@@ -197,7 +222,7 @@ class SpeculativeTurnStopStrategy(TurnAnalyzerUserTurnStopStrategy):
         # Runs at both turn boundaries; a speculation still open here (stop watchdog,
         # interruption, session end) would otherwise be held by the gate for good.
         await self._withdraw("the turn ended unresolved")
-        self._parts, self._owed, self._stop_held = [], TranscriptsOwed(), False
+        self._parts, self._owed, self._stop_held, self._probability = [], TranscriptsOwed(), False, 0.0
         await super()._reset()
 
     def _hold_left(self) -> float:
