@@ -119,10 +119,10 @@ async def test_incomplete_turn_is_answered_by_the_speculative_run(engines, setti
 
 
 async def test_a_question_smart_turn_doubts_is_answered_without_waiting_out_its_silence(engines, settings, say):
-    # Smart-turn v3.2 scores these renditions 0.16 and 0.44 in a session, incomplete: alone it would
+    # Smart-turn v3.2 scores these renditions 0.44 and 0.16 in a session, incomplete: alone it would
     # end the turn only after 3 s of silence. Whisper writes them with a question mark, so they are
     # answered like a complete turn. Two, in case one lands on the other side of 0.5 on some machine.
-    for question in ("What do birds make?", "What do bees make?"):
+    for question in ("What do bees make?", "What do birds make?"):
         async with LocalSession(engines, settings) as session:
             traffic = watch(session)
             await session.silence(0.5)
