@@ -4,6 +4,7 @@ import json
 import re
 import time
 import uuid
+from contextlib import aclosing
 
 from loguru import logger
 from pipecat.frames.frames import (
@@ -134,19 +135,23 @@ class TransformersLLMService(LLMService):
         request_id = f"{self.name}-{self.requests}"
         self.requests += 1
         calls: list[ToolCall] = []
-        async for output in self._engine.stream(
+        outputs = self._engine.stream(
             messages,
             tools=tools,
             request_id=request_id,
             max_new_tokens=self._settings.max_tokens,
             max_sentences=self.sentences_for(messages),
-        ):
-            await self.stop_ttfb_metrics()  # the first output ends it; later calls do nothing
-            self.last_output_at = time.monotonic()
-            if isinstance(output, ToolCall):
-                calls.append(output)
-            else:
-                await self._push_llm_text(output)
+        )
+        # A barge-in may cancel this task while it pushes text: the stream is closed then, and its
+        # request leaves the batch at once, not whenever the garbage collector finds it.
+        async with aclosing(outputs):
+            async for output in outputs:
+                await self.stop_ttfb_metrics()  # the first output ends it; later calls do nothing
+                self.last_output_at = time.monotonic()
+                if isinstance(output, ToolCall):
+                    calls.append(output)
+                else:
+                    await self._push_llm_text(output)
         return calls
 
     async def process_frame(self, frame: Frame, direction: FrameDirection):

@@ -1,6 +1,7 @@
 """Spoken conversations through the whole offline pipeline: VAD → turn → STT → LLM → TTS."""
 
 import asyncio
+import gc
 
 import numpy as np
 import pytest
@@ -220,6 +221,33 @@ async def test_interruption_stops_audio_cancels_llm_and_cuts_context(engines, se
 
 if __name__ == "__main__":
     pytest.main([__file__, "-x", "-q"])
+
+
+async def test_a_reply_cancelled_while_it_pushes_text_leaves_the_batch_at_once(engines):
+    # A barge-in cancels the reply wherever it is: also while it hands text downstream, not only
+    # while it waits for the next token. Its request must leave the shared batch then, not whenever
+    # the garbage collector gets to the abandoned stream (it kept generating, and the cancellation
+    # was missing from the engine's count, in a CI run of the barge-in test above).
+    pushing = asyncio.Event()
+
+    class SlowDownstream(TransformersLLMService):
+        async def _push_llm_text(self, text: str):
+            pushing.set()
+            await asyncio.Event().wait()  # a downstream that does not take the text
+
+    llm = SlowDownstream(engines.llm, system_prompt=None, max_tokens=200)
+    cancelled, in_flight = engines.llm.stats.cancelled, engines.llm.in_flight
+    gc.disable()  # the cancellation must not depend on a collection
+    try:
+        reply = asyncio.create_task(llm._reply([{"role": "user", "content": "Tell me a story about a dragon."}], None))
+        await asyncio.wait_for(pushing.wait(), 120)
+        reply.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reply
+        assert engines.llm.stats.cancelled == cancelled + 1
+        assert engines.llm.in_flight == in_flight
+    finally:
+        gc.enable()
 
 
 async def test_a_turn_split_at_a_pause_reaches_the_model_as_one_message(engines):
