@@ -96,8 +96,11 @@ class SpeakableChunkAggregator(SimpleTextAggregator):
             self._reply_spoken = True
             yield aggregation
         # Only at the end of what the LLM has sent: a sentence end further on in the same text
-        # would show that the sentence is short, and must not be cut off from its start.
-        if not self._reply_spoken and self._first_words_ready():
+        # would show that the sentence is short, and must not be cut off from its start. So does
+        # a sentence end with nothing after it yet: the LLM sends a reply's last sentence without
+        # the space that ends it elsewhere, and a reply generated while its turn was held comes
+        # in a burst, all of it but that space ("The capital of France | is Paris.").
+        if not self._reply_spoken and not self._ends_a_sentence() and self._first_words_ready():
             self._reply_spoken = self._in_split_sentence = True
             yield self._cut(list(re.finditer(r"\S+", self._text))[FIRST_CHUNK_WORDS - 1].end())
 
@@ -121,6 +124,9 @@ class SpeakableChunkAggregator(SimpleTextAggregator):
         """The buffer up to `end`, as a chunk for the voice; the rest stays."""
         chunk, self._text = self._text[:end].strip(), self._text[end:].lstrip()
         return Aggregation(text=chunk, type=TextType.SENTENCE)
+
+    def _ends_a_sentence(self) -> bool:
+        return self._text.rstrip().endswith(tuple(SENTENCE_ENDING_PUNCTUATION))
 
     def _first_words_ready(self) -> bool:
         words = len(re.findall(r"\S+\s", self._text))  # whole words: a space has followed them

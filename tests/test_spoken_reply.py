@@ -133,6 +133,15 @@ async def test_a_short_first_sentence_goes_whole_however_fast():
     assert await chunks_of(tokens, seconds_per_token=0.01) == ["The capital of France is Paris.", "It is lovely."]
 
 
+async def test_a_short_reply_released_in_a_burst_goes_whole():
+    # A reply generated while its turn was held: released at once, in the pieces the LLM made,
+    # the last sentence without a space after it (the reply ended there).
+    aggregator = SpeakableChunkAggregator(clock=TokenClock(0.0))
+    said = [a.text for piece in ("The capital ", "of France is Paris.") async for a in aggregator.aggregate(piece)]
+    last = await aggregator.flush()
+    assert said + [last.text] == ["The capital of France is Paris."]
+
+
 async def test_each_reply_starts_its_voice_early_again():
     clock = TokenClock(0.05)
     aggregator = SpeakableChunkAggregator(clock=clock)
