@@ -11,10 +11,11 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-# Tokens per KV-cache page. transformers shares whole pages between requests whose prompts begin
-# alike, so a conversation's next prompt reuses the history's cache instead of computing it again.
-# At 256 a 10-turn conversation's first word came 0.36 → 1.27 s after its question on 2 CPU
-# cores; at 32 it stays ~0.3 s.
+# Tokens per KV-cache page (the default; the LLM on CPU uses smaller ones, see services/llm.py).
+# transformers shares whole pages between requests whose prompts begin alike, so a conversation's
+# next prompt reuses the history's cache instead of computing it again; the history's last, partial
+# page is computed again. At 256 a 10-turn conversation's first word came 0.36 → 1.27 s after its
+# question on 2 CPU cores; at 32 it stays ~0.3 s.
 PAGE_SIZE = 32
 
 
@@ -53,6 +54,7 @@ class ContinuousBatchGenerator:
         max_batch_tokens: int,
         logits_processors: Sequence = (),
         name: str = "generator",
+        page_size: int = PAGE_SIZE,
     ):
         self.name = name
         self.stats = GenerationStats()
@@ -64,8 +66,8 @@ class ContinuousBatchGenerator:
                 max_requests_per_batch=max_batch_requests,
                 # Left unset, the paged KV cache takes 60-90% of all free memory (on CPU: of
                 # system RAM, ~14 GB here). Size it for what the sessions need instead.
-                num_blocks=math.ceil(kv_cache_tokens / PAGE_SIZE),
-                page_size=PAGE_SIZE,
+                num_blocks=math.ceil(kv_cache_tokens / page_size),
+                page_size=page_size,
                 max_batch_tokens=max_batch_tokens,
                 auto_switch_to_flash=False,
             ),
