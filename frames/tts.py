@@ -106,7 +106,7 @@ class SpeakableChunkAggregator(SimpleTextAggregator):
 
     async def _check_sentence_with_lookahead(self, char: str, *, protected_end: int = 0) -> Aggregation | None:
         sentence = await super()._check_sentence_with_lookahead(char, protected_end=protected_end)
-        if sentence is None and char.isspace() and self._text.rstrip().endswith(tuple(SENTENCE_ENDING_PUNCTUATION)):
+        if sentence is None and char.isspace() and self._ends_a_sentence():
             text, self._text = self._text.strip(), ""
             sentence = Aggregation(text=text, type=TextType.SENTENCE) if text else None
         if sentence is not None:
