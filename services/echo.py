@@ -11,8 +11,9 @@ from services.audio import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, AudioFormatError
 # panics and aborts the whole process, so only whole frames built here ever reach it.
 FRAMES_PER_SECOND = 100
 MAX_DELAY_HINT_MS = 500  # the APM rejects stream delays outside 0..500 ms
-HISTORY_FRAMES = 10 * FRAMES_PER_SECOND  # how far back `kept_db` can look
+HISTORY_FRAMES = 10 * FRAMES_PER_SECOND  # how far back `kept_db` and `echo_likeness` can look
 QUIET_RMS = 100.0  # below this (about -50 dBFS) there is too little sound to say what the canceller did
+MIN_LIKENESS_FRAMES = 30  # 0.3 s: a shorter sound's loudness says too little about where it came from
 
 
 class EchoCanceller:
@@ -65,6 +66,9 @@ class EchoCanceller:
         # Energy of each recent microphone frame before and after cancellation, for `kept_db`.
         self._heard_energy = np.zeros(HISTORY_FRAMES)
         self._kept_energy = np.zeros(HISTORY_FRAMES)
+        # Energy of the latest playback frame when each microphone frame came, for `echo_likeness`.
+        self._played_energy = np.zeros(HISTORY_FRAMES)
+        self._last_played_energy = 0.0
         self._apm: rtc.AudioProcessingModule | None = None
         try:
             # The high-pass filter keeps DC and rumble out of the echo estimate (AEC3 runs it anyway).
@@ -95,6 +99,7 @@ class EchoCanceller:
         frames, self._playback_tail = _whole_frames(self._playback_tail + pcm, self._frame_bytes)
         for frame in frames:
             if self._apm is not None:
+                self._last_played_energy = _energy(frame)
                 self._run(self._apm.process_reverse_stream, frame, "playback")
                 self._rendered += 1
 
@@ -105,12 +110,14 @@ class EchoCanceller:
         for frame in frames:
             if self._apm is not None:
                 while self._rendered <= self._captured and self._apm is not None:
+                    self._last_played_energy = 0.0
                     self._run(self._apm.process_reverse_stream, bytes(self._frame_bytes), "playback")
                     self._rendered += 1
                 heard = frame
                 frame = self._run(self._apm.process_stream, frame, "microphone") if self._apm else frame
                 slot = self._captured % HISTORY_FRAMES
                 self._heard_energy[slot], self._kept_energy[slot] = _energy(heard), _energy(frame)
+                self._played_energy[slot] = self._last_played_energy
                 self._captured += 1
             self._cancelled += frame
         if len(self._cancelled) < len(pcm):
@@ -141,6 +148,38 @@ class EchoCanceller:
             return None
         return float(10 * np.log10(max(kept, 1.0) / heard))
 
+    def echo_likeness(self, since: int, until: int | None = None) -> float | None:
+        """How closely the microphone's loudness in frames [since, until) follows the agent's playback.
+
+        The correlation of the two loudness envelopes (RMS per 10 ms, 30 ms smoothed) at the best
+        delay up to MAX_DELAY_HINT_MS, taken on the microphone before cancellation, so it holds
+        whatever state the canceller is in. AEC3 loses the echo for up to a second when the echo's
+        delay jumps, as it does when a busy machine stalls the call, and `kept_db` then reads -1 to
+        -10 dB of pure echo. Near 1 for echo alone at one delay; lower when someone talks over it,
+        since their syllables do not follow the agent's, and lower too when the echo's delay jumps
+        inside the stretch. A small double-talk detector written here because livekit's APM
+        binding exposes none of AEC3's own echo statistics. None when the stretch is too short or
+        too quiet, or the agent played too little of it to tell.
+        """
+        until = self._captured if until is None else min(until, self._captured)
+        since = max(since, self._captured - HISTORY_FRAMES, 0)
+        if self._apm is None or until - since < MIN_LIKENESS_FRAMES:
+            return None
+        lags = MAX_DELAY_HINT_MS * FRAMES_PER_SECOND // 1000
+        heard = _envelope(self._heard_energy[np.arange(since, until) % HISTORY_FRAMES])
+        first = max(since - lags, 0, self._captured - HISTORY_FRAMES)
+        played = _envelope(self._played_energy[np.arange(first, until) % HISTORY_FRAMES])
+        if heard.max() < QUIET_RMS or heard.std() < 1.0:  # silence, or one steady hum
+            return None
+        best = None
+        for lag in range(0, min(lags, since - first) + 1):
+            window = played[since - first - lag : until - first - lag]
+            if window.std() < 1.0:  # the agent was silent (or one steady sound) then: nothing to follow
+                continue
+            likeness = float(np.corrcoef(heard, window)[0, 1])
+            best = likeness if best is None else max(best, likeness)
+        return best
+
     def _run(self, process, frame: bytes, side: str) -> bytes:
         audio = rtc.AudioFrame(bytearray(frame), self.sample_rate, 1, len(frame) // 2)
         try:
@@ -168,6 +207,14 @@ def _energy(frame: bytes) -> float:
     """Mean square of a PCM16 frame."""
     samples = np.frombuffer(frame, dtype=np.int16).astype(np.float64)
     return float(np.dot(samples, samples)) / max(1, samples.size)
+
+
+def _envelope(energy: np.ndarray) -> np.ndarray:
+    """Frame energies as a loudness envelope: RMS, smoothed over 30 ms against the network's jitter.
+    RMS rather than dB: in dB the quiet gaps between words weigh as much as the words, and two
+    voices' gaps line up by chance (a user over the echo then scored up to 0.8)."""
+    rms = np.sqrt(energy)
+    return np.convolve(rms, np.ones(3) / 3, mode="same")
 
 
 def _whole_frames(pcm: bytes, frame_bytes: int) -> tuple[list[bytes], bytes]:

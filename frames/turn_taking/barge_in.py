@@ -40,6 +40,11 @@ class BargeInPolicy:
 # makes of it ("We'll see you next time."): measured in tests/test_echo.py's call, echo alone
 # keeps -24 to -35 dB, a user 9 dB quieter than the echo still -13 dB.
 ECHO_KEPT_DB = -18.0
+# A sound whose loudness follows the bot's playback this closely is its echo too, even when the
+# canceller has lost it (EchoCanceller.echo_likeness). Measured: echo alone 0.95-0.99, the canceller
+# having lost it or not; a user talking over the echo 0.59-0.79 at its level or up to 9 dB under
+# it, 0.86-0.90 12 dB under it (such a user still takes the turn by the canceller's measure).
+ECHO_LIKENESS = 0.93
 # Over a speakerphone, words Whisper itself doubts were speech are echo residue too. While the
 # canceller converges (a reply's first seconds) or re-adapts (a busy machine), it keeps much of
 # the echo, and Whisper makes short phrases of it. Measured in the suite's scenarios: residue that
@@ -187,11 +192,20 @@ class BargeInTurnStartStrategy(BaseUserTurnStartStrategy):
     def _sound_is_echo(self) -> bool:
         if self._canceller is None:
             return False
-        kept = self._canceller.kept_db(*self._sound_frames)
-        if kept is not None and kept < ECHO_KEPT_DB:
-            logger.debug(f"{self}: the canceller kept {kept:.0f} dB of the sound: the bot's echo")
-            return True
-        return False
+        since, until = self._sound_frames
+        kept = self._canceller.kept_db(since, until)
+        # From the VAD's start on: the lead before it is echo alone even when a user then talks. But
+        # at least the sound's last half second: on a stalled machine the VAD's start and stop
+        # arrive together.
+        end = self._canceller.frames if until is None else until
+        likeness = self._canceller.echo_likeness(min(since + SOUND_LEAD_FRAMES, end - SOUND_LEAD_FRAMES), end)
+        echo = (kept is not None and kept < ECHO_KEPT_DB) or (likeness is not None and likeness >= ECHO_LIKENESS)
+        logger.debug(
+            f"{self}: the sound {'is' if echo else 'is not'} the bot's echo: the canceller kept "
+            f"{'-' if kept is None else f'{kept:.0f}'} dB of it, its loudness follows the bot's "
+            f"{'-' if likeness is None else f'{likeness:.2f}'}"
+        )
+        return echo
 
     async def _barge_in(self):
         await self._stop_judging()
