@@ -5,7 +5,7 @@ import math
 import threading
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import GenerationConfig
@@ -36,6 +36,28 @@ class GenerationError(RuntimeError):
     """The engine failed this one request (others keep running)."""
 
 
+@dataclass
+class RequestOutputs:
+    """Where one request's outputs go: a queue on the event loop of the conversation that asked.
+
+    Outputs are handed over from the engine's threads and wait in the queue until the stream reads
+    them. `ended` is set by `cancel()` or `finish()`, from any thread; the stream checks it after
+    each output, so what was queued before the cancel is never read after it.
+    """
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    ended: bool = False
+
+    def put(self, item) -> bool:
+        """Hand `item` to the stream; False if its loop has closed (nobody is reading)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            return True
+        except RuntimeError:
+            return False
+
+
 class ContinuousBatchGenerator:
     """A causal LM whose requests, from every conversation, share one continuous batch.
 
@@ -58,7 +80,7 @@ class ContinuousBatchGenerator:
     ):
         self.name = name
         self.stats = GenerationStats()
-        self._active: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._active: dict[str, RequestOutputs] = {}
         self._lock = threading.Lock()
         self._manager = model.init_continuous_batching(
             generation_config=generation_config,
@@ -86,20 +108,17 @@ class ContinuousBatchGenerator:
     ) -> AsyncIterator[list[int]]:
         """Generate after `prompt_ids`, yielding the new token ids of each step."""
         request_id = request_id or f"{self.name}-{uuid.uuid4().hex[:12]}"
-        loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue = asyncio.Queue()
+        outputs = RequestOutputs(asyncio.get_running_loop())
 
         def on_output(output):
             # Runs on the engine's dispatch loop; hop to the loop of the conversation that asked.
-            try:
-                loop.call_soon_threadsafe(outputs.put_nowait, output)
-            except RuntimeError:  # that conversation's loop is closed: nobody is listening
+            if not outputs.put(output):  # that conversation's loop is closed: nobody is listening
                 self.cancel(request_id)
 
         # Register before adding: the first token may arrive before add_request returns.
         await self._register_handler(request_id, on_output)
         with self._lock:
-            self._active[request_id] = (loop, outputs)
+            self._active[request_id] = outputs
             self.stats.started += 1
         self._manager.add_request(
             prompt_ids, request_id=request_id, max_new_tokens=max_new_tokens, streaming=True
@@ -108,24 +127,29 @@ class ContinuousBatchGenerator:
         seen = 0
         try:
             while True:
-                output = await outputs.get()
-                if output is None:  # cancel(request_id) from elsewhere
+                output = await outputs.queue.get()
+                if output is None or outputs.ended:  # cancel(request_id) or finish(request_id) from elsewhere
                     finished = True
                     return
-                if output.error:
-                    with self._lock:
+                if not output.error:
+                    tokens = output.generated_tokens  # cumulative
+                    if len(tokens) > seen:
+                        new, seen = list(tokens[seen:]), len(tokens)
+                        yield new
+                    if not output.is_finished():
+                        continue
+                # The end. Whichever takes the request out of `_active` counts it, once: here, or
+                # cancel()/finish() from elsewhere while the last tokens were being yielded.
+                finished = True
+                with self._lock:
+                    ends_here = self._active.pop(request_id, None) is not None
+                    if ends_here and output.error:
                         self.stats.failed += 1
-                    finished = True
-                    raise GenerationError(f"request {request_id} failed: {output.error}")
-                tokens = output.generated_tokens  # cumulative
-                if len(tokens) > seen:
-                    new, seen = list(tokens[seen:]), len(tokens)
-                    yield new
-                if output.is_finished():
-                    finished = True
-                    with self._lock:
+                    elif ends_here:
                         self.stats.finished += 1
-                    return
+                if ends_here and output.error:
+                    raise GenerationError(f"request {request_id} failed: {output.error}")
+                return
         finally:
             if not finished:
                 self.cancel(request_id)
@@ -150,22 +174,21 @@ class ContinuousBatchGenerator:
         """End a request early because its caller has all it wants (counted as finished, not cancelled)."""
         self._manager.cancel_request(request_id)
         with self._lock:
-            if self._active.pop(request_id, None) is not None:
+            outputs = self._active.pop(request_id, None)
+            if outputs is not None:
+                outputs.ended = True
                 self.stats.finished += 1
 
     def cancel(self, request_id: str) -> None:
-        """Stop a request inside the batch and end its stream (idempotent)."""
+        """Stop a request inside the batch and end its stream at once (idempotent)."""
         self._manager.cancel_request(request_id)
         with self._lock:
-            waiting = self._active.pop(request_id, None)
-            if waiting is not None:
+            outputs = self._active.pop(request_id, None)
+            if outputs is not None:
+                outputs.ended = True
                 self.stats.cancelled += 1
-        if waiting is not None:
-            loop, outputs = waiting
-            try:  # transformers sends nothing more for a cancelled request: end the stream here
-                loop.call_soon_threadsafe(outputs.put_nowait, None)
-            except RuntimeError:  # that loop has closed; nobody is reading
-                pass
+        if outputs is not None:
+            outputs.put(None)  # transformers sends nothing more for a cancelled request: wake the stream
 
     @property
     def in_flight(self) -> int:

@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from multiprocessing.connection import Connection
 
-from services.batched_generation import ContinuousBatchGenerator, GenerationError, GenerationStats
+from services.batched_generation import ContinuousBatchGenerator, GenerationError, GenerationStats, RequestOutputs
 
 READY_SECS = 600.0  # loading a large model from disk in the child
 
@@ -53,7 +53,7 @@ class GeneratorProcess:
         the child. `secrets` (an HF token) reach the child through the pipe, never its environment."""
         self.name = name
         self.stats = GenerationStats()
-        self._active: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._active: dict[str, RequestOutputs] = {}
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._exited: str | None = None  # why the child is gone, once it is
@@ -89,27 +89,30 @@ class GeneratorProcess:
         request_id = request_id or f"{self.name}-{uuid.uuid4().hex[:12]}"
         if self._exited is not None:
             raise GenerationError(f"request {request_id} failed: {self._exited}")
-        outputs: asyncio.Queue = asyncio.Queue()
+        outputs = RequestOutputs(asyncio.get_running_loop())
         with self._lock:
-            self._active[request_id] = (asyncio.get_running_loop(), outputs)
+            self._active[request_id] = outputs
             self.stats.started += 1
         self._send(("add", request_id, list(prompt_ids), max_new_tokens))
         finished = False
         try:
             while True:
-                kind, payload = await outputs.get()
-                if kind == "tokens":
+                kind, payload = await outputs.queue.get()
+                if kind == "tokens" and not outputs.ended:
                     yield payload
                     continue
+                # The end: the child's ("finished", "failed"), or cancel()/finish() from elsewhere,
+                # which counted it. Whichever takes the request out of `_active` counts it, once.
                 finished = True
-                if kind == "failed":
-                    with self._lock:
-                        self.stats.failed += 1
-                    raise GenerationError(f"request {request_id} failed: {payload}")
-                if kind == "finished":
-                    with self._lock:
+                with self._lock:
+                    ends_here = self._active.pop(request_id, None) is not None
+                    if ends_here and kind == "finished":
                         self.stats.finished += 1
-                return  # "cancelled": by cancel(request_id) from elsewhere
+                    elif ends_here and kind == "failed":
+                        self.stats.failed += 1
+                if ends_here and kind == "failed":
+                    raise GenerationError(f"request {request_id} failed: {payload}")
+                return
         finally:
             if not finished:
                 self.cancel(request_id)
@@ -120,18 +123,21 @@ class GeneratorProcess:
         """End a request early because its caller has all it wants (counted as finished, not cancelled)."""
         self._send(("finish", request_id))
         with self._lock:
-            if self._active.pop(request_id, None) is not None:
+            outputs = self._active.pop(request_id, None)
+            if outputs is not None:
+                outputs.ended = True
                 self.stats.finished += 1
 
     def cancel(self, request_id: str) -> None:
-        """Stop a request inside the batch and end its stream (idempotent)."""
+        """Stop a request inside the batch and end its stream at once (idempotent)."""
         self._send(("cancel", request_id))
         with self._lock:
-            waiting = self._active.pop(request_id, None)
-            if waiting is not None:
+            outputs = self._active.pop(request_id, None)
+            if outputs is not None:
+                outputs.ended = True
                 self.stats.cancelled += 1
-        if waiting is not None:
-            self._deliver(waiting, ("cancelled", None))
+        if outputs is not None:
+            outputs.put(("cancelled", None))  # wake the stream
 
     @property
     def in_flight(self) -> int:
@@ -163,14 +169,6 @@ class GeneratorProcess:
             except OSError:  # the child is gone; _read() ends every stream with the reason
                 pass
 
-    def _deliver(self, waiting: tuple[asyncio.AbstractEventLoop, asyncio.Queue], item) -> bool:
-        loop, outputs = waiting
-        try:
-            loop.call_soon_threadsafe(outputs.put_nowait, item)
-            return True
-        except RuntimeError:  # that conversation's loop is closed: nobody is listening
-            return False
-
     def _read(self) -> None:
         """The child's outputs, each to the loop of the conversation that asked (a thread of its own)."""
         while True:
@@ -178,18 +176,18 @@ class GeneratorProcess:
                 kind, request_id, payload = self._from_child.recv()
             except (EOFError, OSError):
                 break
+            # The request stays active until its stream reads how it ended: a cancel in between
+            # (a barge-in just as the child finished) is then counted, once, as a cancel.
             with self._lock:
-                waiting = self._active.get(request_id)
-                if kind != "tokens":
-                    self._active.pop(request_id, None)
-            if waiting is not None and not self._deliver(waiting, (kind, payload)):
+                outputs = self._active.get(request_id)
+            if outputs is not None and not outputs.put((kind, payload)):  # its loop has closed
                 self.cancel(request_id)
         code = self._process.wait()
         self._exited = f"the generation process exited (code {code})"
         with self._lock:
-            orphans, self._active = list(self._active.values()), {}
-        for waiting in orphans:
-            self._deliver(waiting, ("failed", self._exited))
+            orphans = list(self._active.values())
+        for outputs in orphans:  # each stream takes itself out of `_active` as it reads this
+            outputs.put(("failed", self._exited))
 
 
 def _serve(commands: Connection, outputs: Connection) -> None:
