@@ -272,7 +272,7 @@ class Settings(BaseSettings):
         "One moment, please.", description="Said when a tool call takes longer than TOOL_FILLER_SECS; empty: nothing."
     )
     tool_filler_secs: float = Field(1.5, ge=0.0, description="How long a tool call runs before the filler is said.")
-    goodbye: str = Field("Goodbye!", description="What the agent says as it ends a call with the end_call tool.")
+    goodbye: str = Field("Thank you for calling. Goodbye!", description="What the agent says as it ends a call with the end_call tool.")
     tools_transfer_call: bool = Field(
         False, description="Give the LLM the transfer_call tool: phone calls are transferred (REFER) to SIP_TRANSFER_TO."
     )

@@ -5,6 +5,7 @@ extra); speech to and from the agent is real (Piper, and tiny.en as the judge).
 """
 
 import asyncio
+import re
 import sys
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ from harness.caller import Microphone, WebSocketTransport
 from harness.local_session import LocalSession
 from harness.observe import LLMLog
 from harness.serving import serving
-from harness.speech import normalize
+from harness.speech import normalize, wer
 from services.bundled import QWEN_05B
 from tests.test_conversation import BOT_RATE, wait_for_reply
 
@@ -36,6 +37,13 @@ BOOK_TABLE = FunctionSchema(
     required=["name", "party_size", "time"],
 )
 CONFIRMATION = "blue harbor"  # words, so that the spoken code survives speech recognition
+
+
+def heard_the_code(heard: str) -> bool:
+    """Both words of the code, in order, at most one word apart: the model may write the code as
+    "blue-harbor", and Whisper then hears the voice read it "blue to harbor"."""
+    first, second = CONFIRMATION.split()
+    return re.search(rf"\b{first}(?: \w+)? {second}\b", normalize(heard)) is not None
 TOOL_SECS = 120  # a call, its handler and the spoken reply on a busy 2-core machine
 
 
@@ -81,7 +89,7 @@ async def test_a_spoken_booking_calls_the_handler_once_and_the_agent_speaks_its_
 
     assert len(booked) == 1, booked
     assert booked[0]["party_size"] == 2 and "garcia" in str(booked[0]["name"]).lower(), booked
-    assert CONFIRMATION in normalize(heard), heard
+    assert heard_the_code(heard), heard
     assert "name" not in normalize(heard).split()[:2], "the call itself was spoken"
 
 
@@ -144,8 +152,9 @@ async def test_goodbye_with_end_call_enabled_closes_the_websocket_from_the_serve
         finally:
             await client.close()
     assert "closed the WebSocket" in client.failure, client.failure
-    goodbye = b"".join(h.audio for h in client.heard)
-    assert "goodbye" in normalize((await engines.stt.transcribe(goodbye, client.rate)).text), "the agent hung up without its goodbye"
+    goodbye = (await engines.stt.transcribe(b"".join(h.audio for h in client.heard), client.rate)).text
+    # Judged on the whole phrase: tiny.en heard a lone "Goodbye!" as "We bye."
+    assert wer(agent_settings.goodbye, goodbye) <= 0.4, f"the agent hung up without its goodbye: heard {goodbye!r}"
 
 
 MCP_SERVER = Path(__file__).resolve().parents[1] / "harness" / "mcp_opening_hours.py"
