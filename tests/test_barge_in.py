@@ -10,24 +10,11 @@ from pipecat.frames.frames import (
 )
 from pipecat.utils.asyncio.task_manager import TaskManager
 
-import numpy as np
-import soxr
-
 from frames.turn_taking.barge_in import ECHO_KEPT_DB, SOUND_LEAD_FRAMES, BargeInTurnStartStrategy
 from frames.turn_taking.playback import PlaybackGate, PlaybackState
 from services.echo import EchoCanceller
 from services.stt import Transcript, TranscriptSegment
-from tests.test_echo import (  # noqa: F401 (fixtures)
-    ECHO_DELAY_S,
-    ECHO_GAIN,
-    MIC_RATE,
-    PLAYBACK_RATE,
-    USER_STARTS_S,
-    reply_24k,
-    run_call,
-    speakerphone,
-    user_16k,
-)
+from tests.test_echo import MIC_RATE, USER_STARTS_S, reply_24k, run_call, speakerphone, user_16k  # noqa: F401 (fixtures)
 
 BOT = "the dragon hoped the village would stop fearing him"
 
@@ -93,32 +80,17 @@ async def test_words_heard_in_what_the_canceller_removed_are_no_barge_in(reply_2
     assert took_turn
 
 
-def delayed_echo(call: tuple[np.ndarray, np.ndarray], reply_24k: np.ndarray, at_s: float, by_s: float):
-    """`call` with its echo silent for `by_s` from `at_s` and then that much later: what a stalled
-    machine does to a call (the far end's speaker runs dry, then plays on), and AEC3 loses the echo."""
-    played, mic = call
-    echo = np.zeros(len(mic), dtype=np.float32)
-    heard = ECHO_GAIN * soxr.resample(reply_24k.astype(np.float32), PLAYBACK_RATE, MIC_RATE)
-    start = int(ECHO_DELAY_S * MIC_RATE)
-    echo[start : start + len(heard)] = heard[: len(mic) - start]
-    at, by = int(at_s * MIC_RATE), int(by_s * MIC_RATE)
-    later = np.zeros_like(echo)
-    later[:at] = echo[:at]
-    later[at + by :] = echo[at : len(echo) - by]
-    return played, np.clip(mic - echo + later, -32768, 32767).astype(np.int16)
-
-
 async def test_an_echo_the_canceller_lost_is_no_barge_in(reply_24k, user_16k):
     # A stall moves the echo 0.2 s later just before the sound: the canceller keeps most of it,
     # and Whisper writes words of it. Its loudness still follows the bot's playback.
-    echo_only = delayed_echo(speakerphone(reply_24k), reply_24k, at_s=USER_STARTS_S - 0.3, by_s=0.2)
+    echo_only = speakerphone(reply_24k, stall=(USER_STARTS_S - 0.3, 0.2))
     canceller = EchoCanceller(MIC_RATE)
     took_turn, gate = await sound_over_the_bot("And for as.", bot_said=BOT, canceller=canceller, call=echo_only)
     sound_starts = round((USER_STARTS_S + 0.2) * 100) - SOUND_LEAD_FRAMES
     assert canceller.kept_db(sound_starts, canceller.frames) > ECHO_KEPT_DB, "the canceller must have lost the echo"
     assert not took_turn and gate.state is PlaybackState.PLAYING
     # A user talking over the same lost echo takes the turn.
-    user_over_echo = delayed_echo(speakerphone(reply_24k, user_16k), reply_24k, at_s=USER_STARTS_S - 0.3, by_s=0.2)
+    user_over_echo = speakerphone(reply_24k, user_16k, stall=(USER_STARTS_S - 0.3, 0.2))
     took_turn, _ = await sound_over_the_bot("And for as.", bot_said=BOT, canceller=EchoCanceller(MIC_RATE), call=user_over_echo)
     assert took_turn
 

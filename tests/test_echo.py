@@ -47,14 +47,24 @@ async def user_16k(say) -> np.ndarray:
     return np.frombuffer(await say(USER), dtype=np.int16)
 
 
-def speakerphone(reply_24k: np.ndarray, user_16k: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def speakerphone(
+    reply_24k: np.ndarray, user_16k: np.ndarray | None = None, *, stall: tuple[float, float] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """A speakerphone call: what the agent plays (24 kHz) and what the microphone hears (16 kHz):
-    the reply 60 ms late at -6 dB, the user from USER_STARTS_S if given, and some room noise."""
+    the reply 60 ms late at -6 dB, the user from USER_STARTS_S if given, and some room noise.
+
+    With `stall` (at_s, by_s), the echo goes quiet for by_s from at_s and then comes that much
+    later: what a stalled machine does to a call (the speaker runs dry, then plays on)."""
     heard = soxr.resample(reply_24k.astype(np.float32), PLAYBACK_RATE, MIC_RATE)
     steps = (len(heard) + MIC_RATE // 2) // int(STEP_S * MIC_RATE)
     mic = np.random.default_rng(0).normal(0.0, NOISE_RMS, steps * int(STEP_S * MIC_RATE))
+    echo = np.zeros(len(mic), dtype=np.float32)
     delay = int(ECHO_DELAY_S * MIC_RATE)
-    mic[delay : delay + len(heard)] += ECHO_GAIN * heard
+    echo[delay : delay + len(heard)] = ECHO_GAIN * heard[: len(mic) - delay]
+    if stall is not None:
+        at, by = int(stall[0] * MIC_RATE), int(stall[1] * MIC_RATE)
+        echo[at + by :], echo[at : at + by] = echo[at : len(echo) - by].copy(), 0.0
+    mic += echo
     if user_16k is not None:
         start = int(USER_STARTS_S * MIC_RATE)
         mic[start : start + len(user_16k)] += user_16k
