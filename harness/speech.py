@@ -29,3 +29,10 @@ def wer(reference: str, hypothesis: str) -> float:
     if not reference:
         return 0.0 if not hypothesis else 1.0
     return jiwer.wer(reference, hypothesis)
+
+
+def sounds_like(word: str, heard: str) -> bool:
+    """A word of `heard` is `word` but for a letter or two: how a spoken answer is judged when the
+    model's text says what the word was. tiny.en, the judge, hears a lone "Paris." from Piper as
+    "Harris." in about 1 of 10 renderings (measured 2 of 20) and, after the question, as "Aris."."""
+    return any(jiwer.cer(word, said) <= 0.4 for said in normalize(heard).split())
