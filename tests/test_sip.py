@@ -132,9 +132,9 @@ def assert_answer_heard(reply: str, heard: str) -> None:
 
     The reply's wording is SmolLM2's and shifts with the engine's numerics (a KV page size turned
     it into "Bonjour, the capital of France is Paris."), and tiny.en on 8 kHz audio mishears a
-    short reply's odd words ("Bondur", "Francis Paris": 4 errors in 7 words; "Once you're, the capital of, Francis Pairs.": 5).
-    So the answer must reach the caller, matched by sound, and the rest of what was heard stay
-    close to what was said."""
+    short reply's odd words ("Bondur", "Francis Paris": 4 errors in 7 words; "Once you're, the
+    capital of, Francis Pairs.": 5). So the answer must reach the caller, matched by sound, and
+    the rest of what was heard stay close to what was said."""
     assert "paris" in normalize(reply).split(), reply  # the premise: the agent said it
     assert sounds_like("paris", heard) and wer(reply, heard) <= 0.75, (reply, heard)
 
