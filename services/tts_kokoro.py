@@ -15,7 +15,9 @@ from pathlib import Path
 
 import numpy as np
 from kokoro_onnx import Kokoro
+from kokoro_onnx.session import resolve_providers
 
+from services import onnx_sessions
 from services.audio import float_to_pcm16
 
 
@@ -168,7 +170,8 @@ class KokoroEngine:
 
     def __init__(self, model_path: str | Path, voices_path: str | Path, *, voice: str, workers: int):
         KokoroEngine.loads += 1
-        self._kokoro = Kokoro(str(model_path), str(voices_path))
+        # Kokoro's own providers, on options that do not spin (services/onnx_sessions.py).
+        self._kokoro = Kokoro.from_session(onnx_sessions.session(str(model_path), providers=resolve_providers()), str(voices_path))
         # Every voice in memory (28 MB): the archive's lazy loader reads one shared file handle.
         self._styles: dict[str, np.ndarray] = {name: self._kokoro.voices[name] for name in self._kokoro.voices}
         # The phonemes that are sounds (the vocabulary also holds punctuation and spaces).

@@ -1,13 +1,15 @@
 """Piper text-to-speech engine (the CPU profile's voice): one voice model shared by every conversation."""
 
 import asyncio
+import json
 import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from piper import PiperVoice, SynthesisConfig
+from piper import PiperConfig, PiperVoice, SynthesisConfig
 
+from services import onnx_sessions
 from services.audio import float_to_pcm16
 
 
@@ -25,7 +27,15 @@ class PiperEngine:
         self.voice = self.voice_path.stem
         self.name = self.voice
         PiperEngine.loads += 1
-        self._voice = PiperVoice.load(self.voice_path, use_cuda=use_cuda)
+        # PiperVoice.load would open the model with onnxruntime's default, spinning threads.
+        config = json.loads(Path(f"{self.voice_path}.json").read_text(encoding="utf-8"))
+        self._voice = PiperVoice(
+            config=PiperConfig.from_dict(config),
+            session=onnx_sessions.session(
+                str(self.voice_path),
+                providers=[("CUDAExecutionProvider", {"cudnn_conv_algo_search": "HEURISTIC"})] if use_cuda else ["CPUExecutionProvider"],
+            ),
+        )
         self.sample_rate: int = self._voice.config.sample_rate
         self._phonemize_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="piper")

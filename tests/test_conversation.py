@@ -10,6 +10,8 @@ import torch
 from pipecat.processors.aggregators.llm_context import LLMContext
 
 from frames.llm import TransformersLLMService
+from frames.turn_taking import turn_models
+from frames.turn_taking.turn_models import SharedSileroVADAnalyzer
 from harness.local_session import LocalSession
 from services.quantized_linear import Int4Linear, Int8Linear
 from services.llm import TransformersLLMEngine, load_model
@@ -161,6 +163,16 @@ def test_the_bundled_llm_decodes_on_the_quantized_kernels(engines, settings):
     assert [type(m) for m in layers].count(Int4Linear) == len(layers) - 1, "layers left in fp32"
     assert type(model.lm_head) is Int8Linear
     assert model.get_input_embeddings().weight.dtype == torch.float32  # the lookup keeps its own copy
+
+
+def test_the_voice_and_turn_models_let_their_threads_sleep(engines):
+    # onnxruntime's threads spin-wait between operators by default: beside the LLM decoding on
+    # the other core, Piper's first chunk took half as long again (services/onnx_sessions.py).
+    SharedSileroVADAnalyzer()  # opens the process' Silero session, if no conversation has yet
+    voice_and_turn_models = [engines.tts._voice.session, *turn_models._sessions.values()]  # noqa: SLF001
+    assert len(voice_and_turn_models) >= 2
+    for session in voice_and_turn_models:
+        assert session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning") == "0"
 
 
 async def test_interruption_stops_audio_cancels_llm_and_cuts_context(engines, settings, say):

@@ -12,6 +12,7 @@ from pipecat.audio.vad.silero import SileroVADAnalyzer
 from pipecat.audio.vad.vad_analyzer import VADAnalyzer, VADParams, VADState
 
 from frames.pipecat_internals import silero_model_on, use_smart_turn_session
+from services import onnx_sessions
 
 _sessions: dict[str, ort.InferenceSession] = {}
 _lock = threading.Lock()
@@ -25,12 +26,7 @@ def _session(model: str) -> ort.InferenceSession:
     """
     with _lock:
         if model not in _sessions:
-            options = ort.SessionOptions()
-            options.inter_op_num_threads = 1
-            options.intra_op_num_threads = 1
-            options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-            _sessions[model] = ort.InferenceSession(model, sess_options=options, providers=["CPUExecutionProvider"])
+            _sessions[model] = onnx_sessions.session(model, threads=1)
         return _sessions[model]
 
 
