@@ -47,10 +47,10 @@ def estimate_word_times(text: str, start: float, duration: float) -> list[tuple[
 
 # The first chunk of a reply may go to the voice before its sentence ends, after this many words:
 # ~1 s of speech, time enough for the rest of the sentence to be generated and synthesized...
-# They arrive here only once the sentence is known to go on for three more words: the LLM engine
-# holds back a first sentence's last three words (services/spoken_reply.py). A short sentence
-# goes whole: cut after "The capital of France", "is Paris." came out as "The capital of
-# Francis, Harris." to Whisper.
+# The LLM engine sends each word once it is whole (services/spoken_reply.py); the chunk goes once
+# the word after it is whole too and the sentence has not ended, so its rest is at least two
+# words ("legs." alone sounds clipped). tiny.en heard Piper's "The capital of France" + "is
+# Paris." right in 10 renderings of 10, as it did the sentence whole.
 FIRST_CHUNK_WORDS = 4
 # ...provided the reply's words arrive at least this fast (~4x speaking pace). Slower (a busy
 # machine) and the first sentence is spoken whole, as every later one is: a chunk spoken before
@@ -71,8 +71,8 @@ class SpeakableChunkAggregator(SimpleTextAggregator):
     first letter arrived, i.e. until the LLM had generated all of the next sentence.
 
     The listener waits for the first words, so a reply's first FIRST_CHUNK_WORDS words are spoken
-    as soon as they are here (the LLM engine sends them once the sentence goes on for three more
-    words, see SpokenReply), when the text arrives fast enough that
+    as soon as they are here (the LLM engine sends each word once it is whole, see SpokenReply),
+    when the text arrives fast enough that
     the rest of the sentence will be ready before they have been said (FIRST_CHUNK_WORDS_PER_SEC);
     the rest of that sentence then goes clause by clause. Otherwise the first sentence waits for
     its end like the others.
@@ -130,7 +130,7 @@ class SpeakableChunkAggregator(SimpleTextAggregator):
 
     def _first_words_ready(self) -> bool:
         words = len(re.findall(r"\S+\s", self._text))  # whole words: a space has followed them
-        if words < FIRST_CHUNK_WORDS or self._first_text_at is None:
+        if words <= FIRST_CHUNK_WORDS or self._first_text_at is None:
             return False
         arrived = words - self._first_text_words  # the words that came after the first text
         elapsed = self._clock() - self._first_text_at

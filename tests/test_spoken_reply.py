@@ -14,11 +14,14 @@ def speak_as_generated(reply: SpokenReply, text: str, step: int = 3) -> str:
     return text[: max(released, reply.finish(text))]
 
 
-def test_the_first_sentence_streams_before_it_ends_but_for_its_last_words():
+def test_the_first_sentence_streams_word_by_word_until_a_word_comes_again():
     reply = SpokenReply(max_sentences=2)
-    # The last three words could be the start of a loop: they wait for the next word.
-    assert reply.update("The capital of France is") == len("The capital ")
+    # Each whole word goes at once: the last may still be growing ("Par" -> "Paris").
+    assert reply.update("The capital of France is") == len("The capital of France ")
     assert reply.update("The capital of France is Paris. ") == len("The capital of France is Paris. ")
+    # A loop starts with a word said before: from one on, the last three words wait for the next.
+    reply = SpokenReply(max_sentences=2)
+    assert reply.update("The cat saw the dog and") == len("The cat saw ")
 
 
 def test_stops_after_the_sentence_cap():
@@ -109,9 +112,9 @@ async def test_text_arriving_slowly_reaches_the_voice_in_whole_sentences():
 
 
 async def test_text_arriving_fast_starts_the_voice_on_the_first_words():
-    # 20 words a second: the first four words go as soon as the LLM engine releases them (three
-    # more words show the sentence goes on); its rest goes clause by clause ("Everest," is too
-    # short a clause to go alone), later sentences whole.
+    # 20 words a second: the first four words go as soon as the LLM engine has released a fifth
+    # (the sixth has begun); its rest goes clause by clause ("Everest," is too short a clause to
+    # go alone), later sentences whole.
     assert await chunks_of(TWO_SENTENCES, seconds_per_token=0.05) == [
         "The tallest mountain is",
         "Everest, which is in Nepal.",  # its comma came before the cut
@@ -128,9 +131,12 @@ async def test_the_rest_of_a_long_first_sentence_goes_clause_by_clause():
     ]
 
 
-async def test_a_short_first_sentence_goes_whole_however_fast():
+async def test_a_first_sentence_of_five_words_goes_whole_however_fast():
+    tokens = ["A", " spider", " has", " eight", " legs", ". ", "It", " is", " small", "."]
+    assert await chunks_of(tokens, seconds_per_token=0.01) == ["A spider has eight legs.", "It is small."]
+    # One word more, and its first four words go ahead of the last two.
     tokens = ["The", " capital", " of", " France", " is", " Paris", ". ", "It", " is", " lovely", "."]
-    assert await chunks_of(tokens, seconds_per_token=0.01) == ["The capital of France is Paris.", "It is lovely."]
+    assert await chunks_of(tokens, seconds_per_token=0.01) == ["The capital of France", "is Paris.", "It is lovely."]
 
 
 async def test_a_short_reply_released_in_a_burst_goes_whole():
