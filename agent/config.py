@@ -79,17 +79,17 @@ class Settings(BaseSettings):
         "auto",
         description=(
             "auto (cpu: float32, with every Linear layer whose weights are exactly 4-bit groups, as in "
-            "a Q4_1 GGUF, on torch's int4 kernel: the same weights, activations in bf16, a token in "
-            "less than half the time; cuda: bfloat16), float32, bfloat16, float16."
+            "a Q4_1 GGUF, on torch's dynamic int8 kernel and a tied output layer on its int8 kernel: "
+            "a token in half the time, a prompt in a third of the int4 kernel's; cuda: bfloat16), "
+            "float32, bfloat16, float16."
         ),
     )
     llm_cpu_threads: int = Field(
         1,
         ge=1,
         description=(
-            "torch threads for the LLM on cpu. One decodes as fast as two (a token reads the weights "
-            "once: memory-bound) and, with the int4 kernel, twice as fast as two in the batch thread; "
-            "it leaves the other cores to STT and TTS."
+            "torch threads for the LLM on cpu. One decodes about as fast as two (a token reads the "
+            "weights once: memory-bound) and leaves the other cores to STT and TTS."
         ),
     )
     llm_own_process: bool = Field(

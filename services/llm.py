@@ -16,23 +16,24 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from services.batched_generation import PAGE_SIZE, ContinuousBatchGenerator, resolve_dtype
 from services.generation_process import GeneratorProcess
-from services.quantized_linear import pack_4bit_linear_layers, quantize_output_layer
+from services.quantized_linear import quantize_4bit_linear_layers, quantize_output_layer
 from services.spoken_reply import SpokenReply
 from services.tool_calls import ToolCall, ToolCallSplitter
 
 SAMPLING_TOP_P = 0.9  # nucleus sampling, when LLM_TEMPERATURE > 0
 MAX_BATCH_TOKENS = 1024  # prompt + generated tokens one batched step may process
-# KV-cache page size on CPU, where a prompt's new tokens cost ~8 ms each on the int4 kernel: a
-# prompt computes its question and the history's last, partial page again (at 32, up to 31 tokens
-# more). Over the 10 benchmark questions in one conversation, the first token came after 0.19-0.20 s
-# on average at 8, 0.22 s at 16 and 0.26-0.31 s at 32 (prefill only: the tokens after it did not
-# slow down). On a GPU, where prefill is cheap, the default stays (not measured there).
+# KV-cache page size on CPU, where a prompt's new tokens cost ~3 ms each (~8 on the int4 kernel this
+# was measured on): a prompt computes its question and the history's last, partial page again (at
+# 32, up to 31 tokens more). Over the 10 benchmark questions in one conversation, the first token
+# came after 0.19-0.20 s on average at 8, 0.22 s at 16 and 0.26-0.31 s at 32 (prefill only: the
+# tokens after it did not slow down). On a GPU, where prefill is cheap, the default stays (not
+# measured there).
 CPU_PAGE_SIZE = 8
 
 
 def load_model(source: str, *, device: str, dtype: str, cpu_threads: int):
     """The model from an HF hub id or directory, on `device`; on CPU with `dtype` auto, its 4-bit
-    layers on torch's int4 kernel and its output layer on the int8 kernel."""
+    layers on torch's dynamic int8 kernel and its output layer on the int8 kernel."""
     started = time.perf_counter()
     if device == "cpu":
         # The continuous-batching thread takes torch's thread count as it is when it starts.
@@ -40,8 +41,8 @@ def load_model(source: str, *, device: str, dtype: str, cpu_threads: int):
     model = AutoModelForCausalLM.from_pretrained(source, dtype=resolve_dtype(dtype, device)).to(device).eval()
     loaded_as = str(model.dtype)
     if device == "cpu" and dtype == "auto":
-        packed, kept = pack_4bit_linear_layers(model)
-        loaded_as += f", {packed} of {packed + kept} Linear layers on the int4 kernel"
+        quantized, kept = quantize_4bit_linear_layers(model)
+        loaded_as += f", {quantized} of {quantized + kept} Linear layers (the 4-bit ones) on the dynamic int8 kernel"
         if quantize_output_layer(model):
             loaded_as += ", the output layer on the int8 kernel"
     logger.info(f"LLM {source} loaded on {device} as {loaded_as} in {time.perf_counter() - started:.1f}s")
