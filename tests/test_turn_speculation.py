@@ -16,7 +16,7 @@ from pipecat.observers.base_observer import BaseObserver, FramePushed
 from pipecat.processors.frame_processor import FrameDirection
 
 from harness.local_session import LocalSession
-from harness.speech import normalize, wer
+from harness.speech import heard_as, normalize, wer
 from tests.test_conversation import BOT_RATE, user_messages
 
 
@@ -84,7 +84,7 @@ async def check_one_spoken_reply(session: LocalSession, engines, traffic: LLMTra
     # What was heard is that reply: 35% of its words, but on a five-word reply tiny.en's few slips
     # ("and numbers indeed" for "A number is indeed") are more than that, so up to 3 words.
     limit = max(0.35, 3 / max(1, len(llm.replies[-1].split())))
-    assert wer(llm.replies[-1], spoken.text) <= limit, (llm.replies[-1], spoken.text)
+    assert heard_as(llm.replies[-1], spoken.text, words=limit), (llm.replies[-1], spoken.text)
 
 
 # Smart-turn counts silence in the audio it gets: with none coming, the speculation stands after
