@@ -25,9 +25,9 @@ class SpokenReply:
     """Follows one reply as it is generated and says how much of it may be spoken.
 
     The first sentence streams as it comes (the listener is waiting), word by word while no word
-    has been said twice in it; after that, all but its last few words, which may start a loop. Each later sentence is released once complete. A reply is
-    over once it repeats a run of words it has said: a later sentence is dropped whole, and the
-    first ends where its loop begins. The sentence being generated is checked too, so a reply
+    has been said twice in it; after that, all but its last few words, which may start a loop.
+    Each later sentence is released once complete. A reply is over once it repeats a run of words
+    it has said: a later sentence is dropped whole, and the first ends where its loop begins. The sentence being generated is checked too, so a reply
     that loops without ever ending a sentence ("a cat in a brave night is a classic tale of a cat
     in a brave night is a ...") stops at once instead of running to its token budget. After
     `max_sentences` sentences it is over too. Small models loop and ramble; a voice agent's answer
@@ -59,12 +59,12 @@ class SpokenReply:
         if self._loops(pending):
             return self._end_at_loop(pending)
         if self.sentences == 0:
-            starts = [m.start() for m in WORD.finditer(pending)]
-            said = words(pending)[:-1]  # the last word may still be growing
+            spans = list(WORD.finditer(pending))
+            said = [m.group().lower() for m in spans[:-1]]  # the last word may still be growing
             if len(set(said)) == len(said):
                 # A loop's second run begins at a word said before: with none, all are settled.
-                return self._boundary + (starts[-1] if starts else 0)
-            settled = starts[-(REPEAT_WORDS - 1) :]
+                return self._boundary + (spans[-1].start() if spans else 0)
+            settled = [m.start() for m in spans[-(REPEAT_WORDS - 1) :]]
             return self._boundary + (settled[0] if len(settled) == REPEAT_WORDS - 1 else 0)
         return self._boundary
 
