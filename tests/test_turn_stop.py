@@ -3,7 +3,7 @@
 from pipecat.audio.vad.vad_analyzer import VADParams, VADState
 
 from frames.turn_taking.turn_models import SharedSileroVADAnalyzer
-from frames.turn_taking.turn_stop import TRANSCRIPT_WAIT_SECS, TranscriptsOwed
+from frames.turn_taking.turn_stop import TRANSCRIPT_WAIT_SECS, TranscriptsOwed, asks_a_question
 
 
 def test_each_transcript_settles_the_oldest_segment():
@@ -21,6 +21,18 @@ def test_a_segment_with_no_words_is_waited_for_only_so_long():
     owed.segment_stopped(0.0)
     assert owed.awaiting(TRANSCRIPT_WAIT_SECS - 0.1)
     assert not owed.awaiting(TRANSCRIPT_WAIT_SECS)
+
+
+def test_a_question_is_told_by_its_mark_or_by_its_first_word_when_whisper_left_the_mark_off():
+    assert asks_a_question("What do bees make?")
+    assert asks_a_question("Which ocean is the biggest.")  # tiny.en over LiveKit
+    assert asks_a_question("I was wondering. How far is the moon.")
+    assert asks_a_question("¿Dónde está la estación?")
+    assert not asks_a_question("My number is five five five.")
+    assert not asks_a_question("Can you tell me? Um.")  # a trailing "um" is a sentence of its own
+    assert not asks_a_question("What I mean is...")
+    assert not asks_a_question("What I mean is")
+    assert not asks_a_question("")
 
 
 def test_a_late_transcript_is_not_taken_for_the_next_segments():

@@ -1,6 +1,7 @@
 """Smart-turn end of turn that waits for every segment's transcript and answers pauses speculatively."""
 
 import asyncio
+import re
 import time
 
 from loguru import logger
@@ -38,9 +39,31 @@ COMPLETE_TURN_HOLD_SECS = 0.4
 # answered after the complete-turn hold instead of the silence timeout.
 QUESTION_MIN_PROBABILITY = 0.1
 QUESTION_MARKS = ("?", "？", "؟")
+# Whisper leaves the "?" off some spoken questions: tiny.en wrote "Which ocean is the biggest." over
+# LiveKit, smart-turn doubted it, and the turn waited out the 3 s timeout (the benchmark's slowest
+# turn). A last sentence that opens with one of these words and ends in a full stop is taken for a
+# question too. English only: in other languages the question mark alone decides.
+QUESTION_WORDS = frozenset(
+    "what which who whom whose where when why how is are was were do does did can could will would "
+    "should shall may have has".split()
+)
 # A client that sends nothing while the user is quiet (Opus DTX, silence suppression) gives the
 # VAD no quiet to count: once no audio has come for this long, the hold is timed by the clock.
 NO_AUDIO_SECS = 0.3
+
+
+def asks_a_question(transcript: str) -> bool:
+    """Whether a transcript ends in a question: a question mark, or (see QUESTION_WORDS) an English
+    last sentence that opens with a question word and ends in one full stop ("Can you tell me? Um."
+    ends in "Um.", and "What I mean is..." trails off)."""
+    text = transcript.rstrip()
+    if text.endswith(QUESTION_MARKS):
+        return True
+    if not text.endswith(".") or text.endswith(".."):
+        return False
+    last_sentence = re.split(r"(?<=[.!?])\s+", text)[-1]
+    first_word = last_sentence.split(maxsplit=1)[0].strip(",").lower()
+    return first_word in QUESTION_WORDS
 
 
 class TranscriptsOwed:
@@ -152,8 +175,7 @@ class SpeculativeTurnStopStrategy(TurnAnalyzerUserTurnStopStrategy):
         return result
 
     def _asks_a_question(self) -> bool:
-        text = concatenate_aggregated_text(self._parts).rstrip()
-        return text.endswith(QUESTION_MARKS) and self._probability >= QUESTION_MIN_PROBABILITY
+        return asks_a_question(concatenate_aggregated_text(self._parts)) and self._probability >= QUESTION_MIN_PROBABILITY
 
     # Overrides a protected hook (see frames/pipecat_internals.py): the only place smart-turn's
     # probability reaches the strategy.
