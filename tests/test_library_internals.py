@@ -238,3 +238,33 @@ def test_the_rtc_runtime_started_up_front_is_the_one_every_job_thread_gets():
     assert run.returncode == 0, run.stderr[-2000:]
     built, distinct = run.stdout.split()
     assert (built, distinct) == ("1", "1"), f"{built} FFI clients built, job threads saw {distinct}"
+
+
+async def test_aiortc_still_keeps_its_audio_jitter_buffer_where_we_replace_it():
+    # agent.transports.webrtc.release_audio_packets_at_once
+    from aiortc import RTCPeerConnection
+    from aiortc.rtp import RtpPacket
+
+    from agent.transports.webrtc import release_audio_packets_at_once
+
+    caller, agent = RTCPeerConnection(), RTCPeerConnection()
+    try:
+        caller.addTransceiver("audio", direction="sendonly")
+        await caller.setLocalDescription(await caller.createOffer())
+        await agent.setRemoteDescription(caller.localDescription)
+        [receiver] = agent.getReceivers()
+        default = receiver._RTCRtpReceiver__jitter_buffer
+        assert (default.capacity, default._prefetch) == (16, 4), "aiortc changed its audio jitter buffer"
+        release_audio_packets_at_once(receiver)
+        buffer = receiver._RTCRtpReceiver__jitter_buffer
+        assert buffer is not default and buffer.capacity == default.capacity
+        # Each 20 ms packet is a frame; a frame is released as soon as the next one arrives.
+        packets = [RtpPacket(sequence_number=n, timestamp=960 * n) for n in range(3)]
+        for n, packet in enumerate(packets):
+            packet._data = bytes([n])  # the receiver's depacketized payload
+        assert buffer.add(packets[0])[1] is None
+        assert buffer.add(packets[1])[1].data == bytes([0])
+        assert buffer.add(packets[2])[1].data == bytes([1])
+    finally:
+        await caller.close()
+        await agent.close()
