@@ -203,3 +203,35 @@ def test_download_lists_only_hub_models(tmp_path):
     assert [m.stage for m in gpu] == ["stt", "llm", "tts", "codec"]
     local = hub_models(Settings(_env_file=None, profile="gpu", llm_model=str(tmp_path)))
     assert [m.stage for m in local] == ["stt", "tts", "codec"]
+
+
+def test_the_dev_livekit_server_starts_again_on_other_ports_when_one_was_taken(tmp_path, monkeypatch):
+    # A port free_port() found free can be taken before livekit-server binds it (CI lost a run to
+    # "listen tcp :55081: bind: address already in use"). Here its first RTC port is taken for sure.
+    import socket
+
+    from agent import livekit_dev_server
+
+    taken = socket.socket()
+    taken.bind(("0.0.0.0", 0))
+    taken.listen()
+    picks = []
+
+    def free_port(kind=socket.SOCK_STREAM):
+        picks.append(kind)
+        if len(picks) == 2:  # the first server's RTC TCP port (the first pick is its signalling port)
+            return taken.getsockname()[1]
+        return real_free_port(kind)
+
+    real_free_port = livekit_dev_server.free_port
+    monkeypatch.setattr(livekit_dev_server, "free_port", free_port)
+    try:
+        server = livekit_dev_server.LiveKitServerProcess(log_path=tmp_path / "livekit.log")
+    except FileNotFoundError as e:
+        pytest.fail(str(e))
+    try:
+        with server:
+            assert server.url.startswith("ws://127.0.0.1:")
+            assert len(picks) > 3, "the server started on the taken port"
+    finally:
+        taken.close()
