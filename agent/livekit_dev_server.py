@@ -71,6 +71,8 @@ class LiveKitServerProcess:
             stdout=log,
             stderr=subprocess.STDOUT,
         )
+        if self.log_path:
+            log.close()  # the server writes to its own copy; a restart opens it anew
         deadline = time.monotonic() + timeout
         while True:
             try:

@@ -27,11 +27,11 @@ class SpokenReply:
     The first sentence streams as it comes (the listener is waiting), word by word while no word
     has been said twice in it; after that, all but its last few words, which may start a loop.
     Each later sentence is released once complete. A reply is over once it repeats a run of words
-    it has said: a later sentence is dropped whole, and the first ends where its loop begins. The sentence being generated is checked too, so a reply
-    that loops without ever ending a sentence ("a cat in a brave night is a classic tale of a cat
-    in a brave night is a ...") stops at once instead of running to its token budget. After
-    `max_sentences` sentences it is over too. Small models loop and ramble; a voice agent's answer
-    to a simple question is a sentence or two.
+    it has said: a later sentence is dropped whole, and the first ends where its loop begins. The
+    sentence being generated is checked too, so a reply that loops without ever ending a sentence
+    ("a cat in a brave night is a classic tale of a cat in a brave night is a ...") stops at once
+    instead of running to its token budget. After `max_sentences` sentences it is over too. Small
+    models loop and ramble; a voice agent's answer to a simple question is a sentence or two.
     """
 
     def __init__(self, max_sentences: int | None):
