@@ -19,6 +19,8 @@ from pipecat.processors.frame_processor import FrameDirection
 from pipecat.services.llm_service import LLMService
 from pipecat.services.settings import LLMSettings
 
+from frames.held_reply import HeldReplyTextFrame
+from frames.pipecat_internals import holds_its_reply
 from services.languages import LANGUAGE_NAMES, ConversationLanguage
 from services.llm import TransformersLLMEngine
 from services.tool_calls import ToolCall, spoken_json
@@ -41,6 +43,10 @@ class TransformersLLMService(LLMService):
 
     Interruption cancels the task running `process_frame`; leaving the engine's stream early
     cancels the request inside the shared batch, so no tokens are spent on a reply nobody hears.
+
+    While Pipecat's SpeculationGate holds a reply (its turn may not be over), a copy of the text
+    goes past the gate as HeldReplyTextFrames, so that the voice can synthesize the reply's first
+    words meanwhile (frames/held_reply.py).
     """
 
     def __init__(
@@ -152,6 +158,10 @@ class TransformersLLMService(LLMService):
                     calls.append(output)
                 else:
                     await self._push_llm_text(output)
+                    if holds_its_reply(self):  # the voice may say its first words meanwhile
+                        await self.push_frame(HeldReplyTextFrame(reply_id=request_id, text=output))
+        if holds_its_reply(self):
+            await self.push_frame(HeldReplyTextFrame(reply_id=request_id, text="", reply_ended=True))
         return calls
 
     async def process_frame(self, frame: Frame, direction: FrameDirection):

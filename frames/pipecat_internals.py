@@ -7,8 +7,10 @@ upgrade moves any of them; fix the function here, nowhere else.
 import onnxruntime as ort
 from pipecat.audio.turn.smart_turn.local_smart_turn_v3 import LocalSmartTurnAnalyzerV3
 from pipecat.audio.vad.silero import SileroOnnxModel
+from pipecat.services.llm_service import LLMService
 from pipecat.services.stt_service import SegmentedSTTService
 from pipecat.services.tts_service import TTSService
+from pipecat.turns.speculation_gate import SpeculationState
 from pipecat.turns.user_stop import TurnAnalyzerUserTurnStopStrategy
 from pipecat.utils.text.base_text_aggregator import BaseTextAggregator
 
@@ -89,3 +91,11 @@ def turn_stop_state(strategy: TurnAnalyzerUserTurnStopStrategy) -> dict[str, boo
         "turn_complete": strategy._turn_complete,  # smart-turn judged the turn finished
         "transcript_finalized": strategy._transcript_finalized,
     }
+
+
+def holds_its_reply(llm: LLMService) -> bool:
+    """Whether an LLM service's SpeculationGate is holding the reply it is generating.
+
+    The gate is the service's private attribute; `SpeculationGate.state` itself is public.
+    """
+    return llm._speculation_gate.state == SpeculationState.HOLDING

@@ -7,13 +7,15 @@ from contextlib import aclosing
 from typing import Protocol
 
 from loguru import logger
-from pipecat.frames.frames import ErrorFrame, Frame, TTSAudioRawFrame
+from pipecat.frames.frames import EagerEndOfTurnCancelFrame, ErrorFrame, Frame, InterruptionFrame, TTSAudioRawFrame
+from pipecat.processors.frame_processor import FrameDirection
 from pipecat.services.settings import TTSSettings
 from pipecat.services.tts_service import TTSService
 from pipecat.utils.string import SENTENCE_ENDING_PUNCTUATION
 from pipecat.utils.text.base_text_aggregator import Aggregation, TextType
 from pipecat.utils.text.simple_text_aggregator import SimpleTextAggregator
 
+from frames.held_reply import FirstChunkAhead, HeldReplyTextFrame
 from frames.pipecat_internals import use_text_aggregator
 from services.languages import ConversationLanguage
 
@@ -81,9 +83,12 @@ class SpeakableChunkAggregator(SimpleTextAggregator):
     (`_check_sentence_with_lookahead`) and its buffer `_text`.
     """
 
-    def __init__(self, *, clock=time.monotonic, **kwargs):
+    def __init__(self, *, clock=time.monotonic, words_per_sec: float = FIRST_CHUNK_WORDS_PER_SEC, **kwargs):
+        """`words_per_sec`: the pace the reply's words must come at for its first words to go
+        ahead of their sentence; 0 lets them go as soon as they are whole."""
         super().__init__(**kwargs)
         self._clock = clock
+        self._words_per_sec = words_per_sec
         self._reply_spoken = False  # a chunk of this reply went to the voice
         self._in_split_sentence = False  # the sentence being aggregated began with an early chunk
         self._first_text_at: float | None = None  # when this reply's first words arrived
@@ -134,7 +139,7 @@ class SpeakableChunkAggregator(SimpleTextAggregator):
             return False
         arrived = words - self._first_text_words  # the words that came after the first text
         elapsed = self._clock() - self._first_text_at
-        return arrived > 0 and arrived >= elapsed * FIRST_CHUNK_WORDS_PER_SEC
+        return arrived > 0 and arrived >= elapsed * self._words_per_sec
 
     def _new_reply(self) -> None:
         self._reply_spoken, self._first_text_at, self._first_text_words = False, None, 0
@@ -159,6 +164,9 @@ class LocalTTSService(TTSService):
     On an interruption Pipecat cancels the task running `run_tts`; closing the engine's
     stream then cancels its request inside the shared batch (Orpheus: generation and queued
     SNAC windows), so a cut-off reply stops costing compute at once.
+
+    A reply held while the agent makes sure the user has stopped has its first chunk
+    synthesized meanwhile (HeldReplyTextFrame, FirstChunkAhead): once released, it plays at once.
     """
 
     def __init__(
@@ -186,6 +194,24 @@ class LocalTTSService(TTSService):
         # Seconds of audio already produced in each audio context: word timestamps count
         # from the start of the context (one reply), not from the start of each sentence.
         self._context_seconds: dict[str, float] = {}
+        self.ahead = FirstChunkAhead(lambda: SpeakableChunkAggregator(words_per_sec=0), self._speak)
+
+    def _speak(self, text: str) -> AsyncIterator[bytes]:
+        # A multilingual agent speaks each reply in the voice of the conversation's language.
+        voice = self._voices.get(self._language.current) if self._language else None
+        return self._engine.stream(text, voice=voice)
+
+    async def process_frame(self, frame: Frame, direction: FrameDirection):
+        if isinstance(frame, HeldReplyTextFrame):
+            await self.ahead.add(frame)  # consumed: nothing past the voice needs it
+            return
+        if isinstance(frame, (InterruptionFrame, EagerEndOfTurnCancelFrame)):
+            self.ahead.discard()
+        await super().process_frame(frame, direction)
+
+    async def cleanup(self):
+        self.ahead.discard()
+        await super().cleanup()
 
     def can_generate_metrics(self) -> bool:
         return True
@@ -198,8 +224,7 @@ class LocalTTSService(TTSService):
         try:
             # aclosing: when Pipecat stops this generator, the engine's stream closes at once
             # (cancelling its batched request) instead of whenever it is garbage collected.
-            voice = self._voices.get(self._language.current) if self._language else None
-            async with aclosing(self._engine.stream(text, voice=voice)) as audio, aclosing(
+            async with aclosing(self.ahead.take(text) or self._speak(text)) as audio, aclosing(
                 self._stream_audio_frames_from_iterator(
                     audio, in_sample_rate=self._engine.sample_rate, context_id=context_id
                 )

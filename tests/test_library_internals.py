@@ -14,6 +14,11 @@ import numpy as np
 import torch
 from pipecat.audio.turn.smart_turn.local_smart_turn_v3 import LocalSmartTurnAnalyzerV3
 from pipecat.audio.vad.silero import SileroOnnxModel
+from pipecat.frames.frames import LLMContextFrame, LLMFullResponseStartFrame, UserStoppedSpeakingFrame
+from pipecat.processors.aggregators.llm_context import LLMContext
+from pipecat.processors.frame_processor import FrameDirection
+from pipecat.services.llm_service import LLMService
+from pipecat.services.settings import LLMSettings
 from pipecat.services.stt_service import SegmentedSTTService
 from pipecat.services.tts_service import TTSService
 from pipecat.turns.user_stop import TurnAnalyzerUserTurnStopStrategy
@@ -110,6 +115,19 @@ async def test_tts_text_aggregation_still_goes_through_the_aggregator_we_set():
         now[0] += 1.0  # slow text: whole sentences
     chunks.append((await aggregator.flush()).text)
     assert chunks == ["Well, the capital of France is Paris.", "It is lovely, truly.", "Bye"]
+
+
+async def test_an_llm_services_speculation_gate_still_holds_a_speculative_reply_where_we_look():
+    # pipecat_internals.holds_its_reply, used by frames.llm.TransformersLLMService
+    settings = {name: None for name in ("system_instruction", "temperature", "top_p", "top_k", "seed")}
+    settings |= {"frequency_penalty": None, "presence_penalty": None, "user_turn_completion_config": None}
+    llm = LLMService(settings=LLMSettings(model="m", max_tokens=8, filter_incomplete_user_turns=False, **settings))
+    assert not pipecat_internals.holds_its_reply(llm)
+    await llm.process_frame(LLMContextFrame(context=LLMContext(), speculation=True), FrameDirection.DOWNSTREAM)
+    await llm.push_frame(LLMFullResponseStartFrame())
+    assert pipecat_internals.holds_its_reply(llm)  # a speculative reply, held
+    await llm.push_frame(UserStoppedSpeakingFrame())
+    assert not pipecat_internals.holds_its_reply(llm)  # the turn ended: released
 
 
 def test_rtvi_still_dispatches_client_messages_through_the_hooks_we_override():
