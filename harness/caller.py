@@ -19,6 +19,7 @@ from aiortc.mediastreams import MediaStreamError
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
+from agent.transports.webrtc import release_audio_packets_at_once
 from agent.ws_client import read_wav_16k, write_wav
 
 MIC_RATE = 16000  # what the caller says, and what reply WAVs are saved at
@@ -263,6 +264,11 @@ class PeerTransport(Transport):
         answer = await post_json(self.url, self.api_key, offer)
         self.session = answer.get("pc_id")
         await self.pc.setRemoteDescription(RTCSessionDescription(answer["sdp"], answer["type"]))
+        # aiortc's jitter buffer holds four packets (80 ms) before it plays one; a browser's, on a
+        # clean loopback link, one or two. The agent's audio is heard as it arrives, in order.
+        for receiver in self.pc.getReceivers():
+            if receiver.track.kind == "audio":
+                release_audio_packets_at_once(receiver)
         try:
             track = await asyncio.wait_for(agent_track, timeout=15)
         except TimeoutError as e:
