@@ -31,6 +31,10 @@ TRANSCRIPT_WAIT_SECS = 2.0
 # answered: at 0.3 s the hold released replies inside such pauses too. The reply's first words take
 # about this long to generate anyway.
 COMPLETE_TURN_HOLD_SECS = 0.4
+# The hold after a question (see asks_a_question): a question asks for an answer, and the monologue
+# that must not be answered mid-breath is a run of statements. A reply released inside a pause the
+# user then goes on after is stopped by the barge-in as usual.
+QUESTION_HOLD_SECS = 0.2
 # Smart-turn hears only the audio, and it doubts some plain questions: v3.2 scores Piper's "Do you
 # know what bees make?" 0.32 and "What do bees make?" 0.55 (below 0.5 it waits out its 3 s silence
 # timeout). Whisper hears the words and ends a question with "?". A trailing "um" it writes as a
@@ -251,9 +255,10 @@ class SpeculativeTurnStopStrategy(TurnAnalyzerUserTurnStopStrategy):
         """Seconds of the complete-turn hold still to run. While audio lags behind the clock, the
         hold waits for it: a reply is released only once the VAD has heard the quiet itself."""
         now = time.monotonic()
+        hold = QUESTION_HOLD_SECS if asks_a_question(concatenate_aggregated_text(self._parts)) else COMPLETE_TURN_HOLD_SECS
         if self._vad is None or now - self._vad.audio_at >= NO_AUDIO_SECS:
-            return COMPLETE_TURN_HOLD_SECS - (now - self._vad_stopped_at)
-        return COMPLETE_TURN_HOLD_SECS - (self._vad.quiet_audio_secs - self._vad.params.stop_secs)
+            return hold - (now - self._vad_stopped_at)
+        return hold - (self._vad.quiet_audio_secs - self._vad.params.stop_secs)
 
     def _awaiting_transcript(self) -> bool:
         return self._owed.awaiting(time.monotonic())
