@@ -4,16 +4,12 @@ Checked against pipecat-ai 1.14.0. `tests/test_library_internals.py` fails loudl
 upgrade moves any of them; fix the function here, nowhere else.
 """
 
-from functools import partial
-
 import onnxruntime as ort
 from pipecat.audio.turn.smart_turn.local_smart_turn_v3 import LocalSmartTurnAnalyzerV3
-from pipecat.audio.resamplers.soxr_stream_resampler import SOXRStreamAudioResampler
 from pipecat.audio.vad.silero import SileroOnnxModel
 from pipecat.services.llm_service import LLMService
 from pipecat.services.stt_service import SegmentedSTTService
 from pipecat.services.tts_service import TTSService
-from pipecat.transports.livekit import transport as livekit_transport
 from pipecat.turns.speculation_gate import SpeculationState
 from pipecat.turns.user_stop import TurnAnalyzerUserTurnStopStrategy
 from pipecat.utils.text.base_text_aggregator import BaseTextAggregator
@@ -104,14 +100,3 @@ def holds_its_reply(llm: LLMService) -> bool:
     """
     return llm._speculation_gate.state == SpeculationState.HOLDING
 
-
-def resample_livekit_input_quickly() -> None:
-    """Have Pipecat's LiveKit input transports resample the room's audio (48 kHz) to the pipeline's
-    rate with soxr's low quality filter instead of its very high quality one.
-
-    Streamed in 10 ms frames, the very high quality filter holds back 37.5 ms of audio (600
-    samples at 16 kHz); the low quality one 6 ms, and its passband still spans the 8 kHz the VAD
-    and Whisper hear. The transport builds each participant's resampler with its module's
-    `create_stream_resampler()`, with no option for the quality. Only LiveKit's input uses it.
-    """
-    livekit_transport.create_stream_resampler = partial(SOXRStreamAudioResampler, quality="LQ")

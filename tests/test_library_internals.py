@@ -130,20 +130,6 @@ async def test_an_llm_services_speculation_gate_still_holds_a_speculative_reply_
     assert not pipecat_internals.holds_its_reply(llm)  # the turn ended: released
 
 
-async def test_livekit_input_still_builds_its_resamplers_where_we_choose_their_quality():
-    # pipecat_internals.resample_livekit_input_quickly, called by agent.transports.livekit
-    from pipecat.transports.livekit import transport as livekit_transport
-
-    source = inspect.getsource(livekit_transport.LiveKitInputTransport)
-    assert source.count("create_stream_resampler()") == 2, "the input transport builds its resamplers elsewhere now"
-    pipecat_internals.resample_livekit_input_quickly()
-    resampler = livekit_transport.create_stream_resampler()
-    # What a second of 48 kHz audio in 10 ms frames leaves inside the filter: the latency it adds.
-    pcm = np.zeros(480, dtype=np.int16).tobytes()
-    out = b"".join([await resampler.resample(pcm, 48000, 16000) for _ in range(100)])
-    assert 16000 - len(out) // 2 <= 160, f"{16000 - len(out) // 2} samples held back"
-
-
 def test_rtvi_still_dispatches_client_messages_through_the_hooks_we_override():
     # pipecat_internals.OVERRIDDEN_RTVI_HOOKS, used by frames.client_messages.ClientMessageGuard
     from pipecat.processors.frameworks.rtvi import RTVIProcessor

@@ -19,7 +19,6 @@ from agent.conversation import Conversation, build_conversation
 from agent.engines import Engines
 from agent.server.admission import Admission
 from agent.server.sessions import SessionRegistry
-from frames.pipecat_internals import resample_livekit_input_quickly
 
 
 WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
@@ -84,7 +83,6 @@ def start_rtc_runtime() -> None:
 def create_agent_server(engines: Engines, admission: Admission) -> AgentServer:
     """An AgentServer whose jobs all run in this process (THREAD executor) and share `engines`."""
     settings, sessions = admission.settings, admission.sessions
-    resample_livekit_input_quickly()
     server = AgentServer(
         ws_url=settings.livekit_url,
         api_key=settings.livekit_api_key,
