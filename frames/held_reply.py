@@ -29,15 +29,17 @@ class HeldReplyTextFrame(SystemFrame):
 class FirstChunkAhead:
     """The first chunk of a held reply, synthesized while the reply is held.
 
-    Fed the HeldReplyTextFrames of a reply, it cuts their text with its own `aggregator`, as
-    the TTS service will cut the reply's text once released, and synthesizes the first chunk.
-    When the TTS service is then asked to speak that same text, `take` hands it the audio made
-    ahead instead of synthesizing it again: the hold hid the voice's time to first audio.
+    Fed the HeldReplyTextFrames of a reply, it cuts their text with an aggregator of its own
+    (`new_aggregator()`), as the TTS service will cut the reply's text once released, and
+    synthesizes the first chunk. When the TTS service is then asked to speak that text, or a
+    longer one that begins with it, `take` hands it the audio made ahead (then the rest,
+    synthesized) instead of synthesizing it again: the hold hid the voice's time to first audio.
 
     A reply released in a burst has its first chunk cut as soon as its words are whole, whatever
-    the pace they were generated at, so the aggregator given here should be one that does the
-    same (SpeakableChunkAggregator with words_per_sec=0). Other text, even close, is never
-    matched: the chunk is then synthesized as usual, and what was made ahead goes unused.
+    the pace they were generated at, so the aggregator should do the same
+    (SpeakableChunkAggregator with words_per_sec=0): the TTS service's own first chunk then
+    begins with this one. Other text is never matched: it is synthesized as usual, and what was
+    made ahead goes unused.
     """
 
     def __init__(
