@@ -118,4 +118,3 @@ class FirstChunkAhead:
         if self._task is not None:
             self._task.cancel()
         self._reply_id, self._aggregator, self._text, self._audio, self._task = None, None, None, None, None
-

@@ -99,4 +99,3 @@ def holds_its_reply(llm: LLMService) -> bool:
     The gate is the service's private attribute; `SpeculationGate.state` itself is public.
     """
     return llm._speculation_gate.state == SpeculationState.HOLDING
-
