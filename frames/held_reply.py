@@ -63,9 +63,10 @@ class FirstChunkAhead:
         if self._aggregator is None:  # this reply's first chunk is cut already
             return
         chunk = None
-        async for aggregation in self._aggregator.aggregate(frame.text):
-            chunk = aggregation.text
-            break
+        async with aclosing(self._aggregator.aggregate(frame.text)) as aggregations:
+            async for aggregation in aggregations:  # the first chunk is all that is wanted
+                chunk = aggregation.text
+                break
         if chunk is None and frame.reply_ended:
             flushed = await self._aggregator.flush()
             chunk = flushed.text if flushed else None
