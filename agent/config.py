@@ -79,8 +79,8 @@ class Settings(BaseSettings):
         "auto",
         description=(
             "auto (cpu: float32, with every Linear layer whose weights are exactly 4-bit groups, as in "
-            "a Q4_1 GGUF, on torch's dynamic int8 kernel and a tied output layer on its int8 kernel: "
-            "a token in half the time, a prompt in a third of the int4 kernel's; cuda: bfloat16), "
+            "a Q4_1 GGUF, and a tied output layer on torch's int8 kernel: a token in about half the "
+            "time; cuda: bfloat16), "
             "float32, bfloat16, float16."
         ),
     )

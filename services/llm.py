@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from services.batched_generation import PAGE_SIZE, ContinuousBatchGenerator, resolve_dtype
 from services.generation_process import GeneratorProcess
-from services.quantized_linear import quantize_4bit_linear_layers, quantize_output_layer
+from services.quantized_linear import pack_4bit_linear_layers, quantize_output_layer
 from services.spoken_reply import SpokenReply
 from services.tool_calls import ToolCall, ToolCallSplitter
 
@@ -33,7 +33,7 @@ CPU_PAGE_SIZE = 8
 
 def load_model(source: str, *, device: str, dtype: str, cpu_threads: int):
     """The model from an HF hub id or directory, on `device`; on CPU with `dtype` auto, its 4-bit
-    layers on torch's dynamic int8 kernel and its output layer on the int8 kernel."""
+    layers and its output layer on torch's int8 kernel."""
     started = time.perf_counter()
     if device == "cpu":
         # The continuous-batching thread takes torch's thread count as it is when it starts.
@@ -41,8 +41,8 @@ def load_model(source: str, *, device: str, dtype: str, cpu_threads: int):
     model = AutoModelForCausalLM.from_pretrained(source, dtype=resolve_dtype(dtype, device)).to(device).eval()
     loaded_as = str(model.dtype)
     if device == "cpu" and dtype == "auto":
-        quantized, kept = quantize_4bit_linear_layers(model)
-        loaded_as += f", {quantized} of {quantized + kept} Linear layers (the 4-bit ones) on the dynamic int8 kernel"
+        packed, kept = pack_4bit_linear_layers(model)
+        loaded_as += f", {packed} of {packed + kept} Linear layers (the 4-bit ones) on the int8 kernel"
         if quantize_output_layer(model):
             loaded_as += ", the output layer on the int8 kernel"
     logger.info(f"LLM {source} loaded on {device} as {loaded_as} in {time.perf_counter() - started:.1f}s")

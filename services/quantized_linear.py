@@ -1,4 +1,4 @@
-"""Linear layers on torch's quantized CPU kernels: a GGUF's 4-bit layers and the 8-bit output layer."""
+"""Linear layers on torch's int8 CPU kernel: a GGUF's 4-bit layers and its 8-bit output layer."""
 
 import torch
 
@@ -23,32 +23,40 @@ def is_4bit_groups(linear: torch.nn.Linear) -> bool:
     return bool(((rebuilt - groups).abs() <= 1e-3 * scale[..., None]).all())
 
 
-def quantize_4bit_linear_layers(model: torch.nn.Module) -> tuple[int, int]:
-    """Run every Linear layer whose weights are exactly 4-bit groups on torch's dynamic int8 kernel
-    (fbgemm: int8 weights with a scale per output, activations quantized per call).
+def pack_4bit_linear_layers(model: torch.nn.Module) -> tuple[int, int]:
+    """Run every Linear layer whose weights are exactly 4-bit groups on the int8 kernel (Int8Linear:
+    int8 weights with a scale per output row; the activations are not quantized).
 
-    Returns (quantized, kept). A small LLM on CPU spends its first token reading the prompt: on
-    SmolLM2-135M's Q4_1 layers, torch's int4 kernel (tinygemm) took ~8 ms a prompt token and this
-    one ~3, and ~42 ms a generated token each. The 4-bit layers lose nothing that shows at 8 bits a
-    row: the benchmark questions' greedy first sentences were right 8 times of 10 here, 6 on the
-    int4 kernel. Layers that are not 4-bit (k-quants, fp32 models) keep their fp32 weights and
-    answers. The output layer of a tied model shares the embeddings' weights and stays as it is
-    (see quantize_output_layer).
+    Returns (packed, kept). Layers that are not 4-bit (k-quants, fp32 models) keep their fp32
+    weights and answers. The output layer of a tied model shares the embeddings' weights and is
+    left to quantize_output_layer.
 
-    torch.ao.quantization is deprecated in favour of torchao, whose CPU path for this is a
-    prototype; torch is pinned, and tests/test_library_internals.py fails when the API changes.
+    Not torch's dynamic int8 kernel (fbgemm), though it read a prompt twice as fast (~3 ms a token
+    against ~5.7, decoding ~24 ms a token against ~31, SmolLM2-135M here): it quantizes each call's
+    activations with one scale for all its rows, so one token's outlier (a prompt's first token
+    carries huge activations) crushes every other row of the call, and in a continuous batch the
+    rows are other conversations. With every 4-bit layer on it, SmolLM2-135M answered 25 of 60 short
+    questions in one turn (the benchmark's ten and fifty others) and 3 of 60 asked one after another
+    in one conversation (each prompt read whole); with int8 weights and unquantized activations 37
+    and 42 (fp32: 38 in one turn).
     """
-    names = [name for name, m in model.named_modules() if type(m) is torch.nn.Linear and is_4bit_groups(m)]
-    kept = sum(type(m) is torch.nn.Linear for m in model.modules()) - len(names)
-    qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
-    torch.ao.quantization.quantize_dynamic(model, {name: qconfig for name in names}, inplace=True)
-    return len(names), kept
+    packed = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear and is_4bit_groups(child):
+                setattr(parent, name, Int8Linear(child))
+                packed += 1
+    kept = sum(type(m) is torch.nn.Linear for m in model.modules())
+    return packed, kept
 
 
 class Int8Linear(torch.nn.Module):
     """A Linear layer holding 8-bit weights with one scale per output: a quarter of fp32's reads.
 
-    For the output layer of a tied model, which `pack_4bit_linear_layers` leaves in fp32: in
+    Only the weights are quantized, so each row of the input (each token of each request in a
+    batch) comes out as it would alone. A GGUF's 4-bit layers lose nothing at 8 bits a row.
+
+    The output layer of a tied model, which `pack_4bit_linear_layers` leaves in fp32: in
     SmolLM2-135M it is a fifth of the weights but, in fp32, two thirds of what a token reads
     (49152 x 576 x 4 bytes), and in int8 a token took ~25 ms instead of ~37. The bundled GGUF
     stores these weights in 8 bits already (Q8_0, a scale per 32); one scale per row rounds them

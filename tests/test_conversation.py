@@ -152,16 +152,15 @@ async def test_words_after_a_short_pause_are_not_lost_to_the_early_transcript(en
         assert len(heard) == 1 and wer("How many legs does a spider have?", heard[0]) <= 0.25, heard
 
 
-def test_the_bundled_llm_decodes_on_the_quantized_kernels(engines, settings):
+def test_the_bundled_llm_decodes_on_the_int8_kernel(engines, settings):
     # The bundled GGUF is Q4_1: every layer but the output (tied to the 8-bit embeddings) is exactly
-    # 4-bit after transformers de-quantizes it, and runs on the dynamic int8 kernel; the output on
-    # the int8 kernel. If that changes, reading a prompt slows ~3x and decoding by half or more.
+    # 4-bit after transformers de-quantizes it; all of them run on the int8 kernel. If that
+    # changes, decoding takes about twice as long (services/quantized_linear.py).
     assert settings.llm_dtype == "auto" and settings.llm_device == "cpu"
     # The engine's model lives in its generation process: load it here the way that process does.
     model = load_model(engines.llm.source, device="cpu", dtype="auto", cpu_threads=settings.llm_cpu_threads)
-    dynamic_int8 = torch.ao.nn.quantized.dynamic.Linear
-    layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, dynamic_int8, Int8Linear))]
-    assert [type(m) for m in layers].count(dynamic_int8) == len(layers) - 1, "layers left in fp32"
+    assert not any(type(m) is torch.nn.Linear for m in model.modules()), "layers left in fp32"
+    assert sum(type(m) is Int8Linear for m in model.modules()) > 100
     assert type(model.lm_head) is Int8Linear
     assert model.get_input_embeddings().weight.dtype == torch.float32  # the lookup keeps its own copy
 

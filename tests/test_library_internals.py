@@ -31,7 +31,7 @@ from frames.turn_taking.turn_models import SharedSileroVADAnalyzer, SharedSmartT
 from frames.turn_taking.turn_stop import SpeculativeTurnStopStrategy
 from harness.orpheus_models import build_random_snac
 from services.batched_generation import insert_logits_processors
-from services.quantized_linear import GROUP, Int8Linear, quantize_4bit_linear_layers
+from services.quantized_linear import Int8Linear
 from services.orpheus.snac import PositionalNoise, SnacDecoder
 
 
@@ -167,29 +167,6 @@ async def test_a_transport_still_declares_and_fires_its_events_through_the_hooks
             break
         await asyncio.sleep(0.01)
     assert heard == ["caller"]
-
-
-def test_torch_still_quantizes_4bit_groups_for_its_dynamic_int8_cpu_kernel():
-    # services.quantized_linear.quantize_4bit_linear_layers: torch.ao.quantization.quantize_dynamic
-    # with a per-channel qconfig, for the Linear layers it names (torch 2.15; torchao is to take
-    # this API over).
-    torch.manual_seed(0)
-    codes = torch.randint(0, 16, (96, 128)).float()
-    codes[:, ::GROUP], codes[:, 1::GROUP] = 0, 15  # as GGUF Q4_1 quantizes: each group spans 0..15
-    scale = torch.rand(96, 128 // GROUP) * 0.01 + 0.001
-    low = torch.randn(96, 128 // GROUP) * 0.05
-    model = torch.nn.Sequential(torch.nn.Linear(128, 96, bias=False), torch.nn.Linear(96, 64))
-    with torch.no_grad():
-        model[0].weight.copy_((codes.reshape(96, -1, GROUP) * scale[..., None] + low[..., None]).reshape(96, 128))
-    x = torch.randn(3, 128)
-    with torch.inference_mode():
-        expected = model(x)
-    assert quantize_4bit_linear_layers(model) == (1, 1), "exact 4-bit groups quantized, fp32 weights kept"
-    assert type(model[0]) is torch.ao.nn.quantized.dynamic.Linear and type(model[1]) is torch.nn.Linear
-    with torch.inference_mode():
-        got = model(x)
-    # int8 activations and per-row weights: within a few percent of the output's scale.
-    assert (got - expected).abs().max() < 0.03 * expected.abs().max(), (got - expected).abs().max()
 
 
 def test_torch_still_runs_8bit_rows_on_its_int8_cpu_kernel():
