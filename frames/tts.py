@@ -48,12 +48,13 @@ def estimate_word_times(text: str, start: float, duration: float) -> list[tuple[
 
 
 # The first chunk of a reply may go to the voice before its sentence ends, after this many words:
-# ~1 s of speech, time enough for the rest of the sentence to be generated and synthesized...
+# ~0.8 s of speech, time enough for the rest of the sentence to be generated and synthesized...
 # The LLM engine sends each word once it is whole (services/spoken_reply.py); the chunk goes once
 # the word after it is whole too and the sentence has not ended, so its rest is at least two
-# words ("legs." alone sounds clipped). tiny.en heard Piper's "The capital of France" + "is
-# Paris." right in 10 renderings of 10, as it did the sentence whole.
-FIRST_CHUNK_WORDS = 4
+# words ("legs." alone sounds clipped). Three words, not four: a word less to generate and to
+# synthesize before the first sound (/ws 0.97 -> 0.82 s p50, LiveKit 1.19 -> 1.01 s, on the
+# int8-weight LLM); the benchmark's replies were heard as right as before.
+FIRST_CHUNK_WORDS = 3
 # ...provided the reply's words arrive at least this fast (~4x speaking pace). Slower (a busy
 # machine) and the first sentence is spoken whole, as every later one is: a chunk spoken before
 # the rest of its sentence was ready left a gap inside the sentence.

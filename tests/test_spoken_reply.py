@@ -112,12 +112,12 @@ async def test_text_arriving_slowly_reaches_the_voice_in_whole_sentences():
 
 
 async def test_text_arriving_fast_starts_the_voice_on_the_first_words():
-    # 20 words a second: the first four words go as soon as the LLM engine has released a fifth
-    # (the sixth has begun); its rest goes clause by clause ("Everest," is too short a clause to
-    # go alone), later sentences whole.
+    # 20 words a second: the first three words go as soon as the LLM engine has released a fourth
+    # (the fifth has begun); its rest goes clause by clause ("is Everest," is too short a clause
+    # to go alone), later sentences whole.
     assert await chunks_of(TWO_SENTENCES, seconds_per_token=0.05) == [
-        "The tallest mountain is",
-        "Everest, which is in Nepal.",  # its comma came before the cut
+        "The tallest mountain",
+        "is Everest, which is in Nepal.",  # its comma came before the cut
         "It is tall.",
     ]
 
@@ -125,18 +125,19 @@ async def test_text_arriving_fast_starts_the_voice_on_the_first_words():
 async def test_the_rest_of_a_long_first_sentence_goes_clause_by_clause():
     tokens = ["Well", " I", " think", " that", " the", " answer", ",", " if", " you", " ask", " me", ",", " is", " no", "."]
     assert await chunks_of(tokens, seconds_per_token=0.01) == [
-        "Well I think that",
-        "the answer, if you ask me,",  # the cut came at its first comma: the next one ends it
+        "Well I think",
+        "that the answer,",  # three words: a clause of its own
+        "if you ask me,",
         "is no.",
     ]
 
 
-async def test_a_first_sentence_of_five_words_goes_whole_however_fast():
+async def test_a_first_sentence_of_four_words_goes_whole_however_fast():
+    tokens = ["A", " spider", " has", " legs", ". ", "It", " is", " small", "."]
+    assert await chunks_of(tokens, seconds_per_token=0.01) == ["A spider has legs.", "It is small."]
+    # One word more, and its first three words go ahead of the last two.
     tokens = ["A", " spider", " has", " eight", " legs", ". ", "It", " is", " small", "."]
-    assert await chunks_of(tokens, seconds_per_token=0.01) == ["A spider has eight legs.", "It is small."]
-    # One word more, and its first four words go ahead of the last two.
-    tokens = ["The", " capital", " of", " France", " is", " Paris", ". ", "It", " is", " lovely", "."]
-    assert await chunks_of(tokens, seconds_per_token=0.01) == ["The capital of France", "is Paris.", "It is lovely."]
+    assert await chunks_of(tokens, seconds_per_token=0.01) == ["A spider has", "eight legs.", "It is small."]
 
 
 async def test_a_short_reply_released_in_a_burst_goes_whole():
@@ -153,7 +154,7 @@ async def test_each_reply_starts_its_voice_early_again():
     aggregator = SpeakableChunkAggregator(clock=clock)
     first = await chunks_of(TWO_SENTENCES, aggregator=aggregator)
     second = await chunks_of(TWO_SENTENCES, aggregator=aggregator)  # flush() ended the first reply
-    assert first == second and first[0] == "The tallest mountain is"
+    assert first == second and first[0] == "The tallest mountain"
 
 
 async def test_a_later_sentence_with_commas_stays_whole():
