@@ -56,7 +56,7 @@ class Int8Linear(torch.nn.Module):
     Only the weights are quantized, so each row of the input (each token of each request in a
     batch) comes out as it would alone. A GGUF's 4-bit layers lose nothing at 8 bits a row.
 
-    The output layer of a tied model, which `pack_4bit_linear_layers` leaves in fp32: in
+    It also runs the output layer of a tied model, which `pack_4bit_linear_layers` leaves in fp32: in
     SmolLM2-135M it is a fifth of the weights but, in fp32, two thirds of what a token reads
     (49152 x 576 x 4 bytes), and in int8 a token took ~25 ms instead of ~37. The bundled GGUF
     stores these weights in 8 bits already (Q8_0, a scale per 32); one scale per row rounds them
