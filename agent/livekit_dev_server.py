@@ -45,6 +45,11 @@ class LiveKitServerProcess:
     def url(self) -> str:
         return f"ws://127.0.0.1:{self.port}"
 
+    @property
+    def pid(self) -> int | None:
+        """The running server's process id (the benchmarks count its CPU time); None when stopped."""
+        return self._process.pid if self._process is not None else None
+
     def start(self, timeout: float = 30.0) -> "LiveKitServerProcess":
         # A port free_port() found free can be taken before the server binds it: the kernel hands
         # the same ephemeral ports to outgoing connections (a CI run lost one in 200 tests:

@@ -21,7 +21,17 @@ from agent.app import create_app
 from agent.config import Settings
 from agent.engines import load_engines_warm
 from agent.livekit_dev_server import LiveKitServerProcess
-from bench.report import RESULTS, command_line, machine_info, now_iso, percentile, process_memory_mb, write_json
+from bench.report import (
+    RESULTS,
+    children_cpu_seconds,
+    command_line,
+    cpu_seconds,
+    machine_info,
+    now_iso,
+    percentile,
+    process_memory_mb,
+    write_json,
+)
 from bench.waterfall import agent_settings, call, judge, question_wavs, scratch_dir, serving, spoken_questions
 
 # What a caller tolerates before the reply starts (p95).
@@ -39,16 +49,32 @@ parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.R
 parser.add_argument("--ramp", type=ramp_of, default=ramp_of("1,2,4,8"), help="callers per step (default 1,2,4,8)")
 parser.add_argument("--turns", type=int, default=3, help="questions each caller asks per step (default 3)")
 parser.add_argument("--transport", default="livekit", choices=["livekit", "ws", "p2p"])
+parser.add_argument(
+    "--caller-nice",
+    type=int,
+    default=0,
+    help="CPU niceness of the callers (default 0). The callers stand for phones and browsers elsewhere but "
+    "share the agent's cores here; at 10 the agent is served first. A caller served late hears late: "
+    "that counts against the agent, never for it.",
+)
 parser.add_argument("--out", type=Path, default=None, help="JSON results (default bench/results/load-PROFILE.json)")
 
 
-async def step(n: int, transport: str, port: int, app, engines, asked, wavs, scratch: Path) -> dict:
+async def step(n: int, args, port: int, app, engines, asked, wavs, scratch: Path, livekit) -> dict:
+    transport = args.transport
     print(f"\n--- {n} caller(s) at once over {transport} ---", flush=True)
-    started = time.perf_counter()
-    runs = await call(transport, port, wavs, app.state.sessions.snapshot, scratch / f"{transport}-{n}", callers=n)
-    wall = time.perf_counter() - started
-    rows = [row for run in runs for row in await judge(engines, run, asked)]
     llm_pid = getattr(engines.llm.generator, "pid", None)
+    pids = {"agent": "self", "llm_process": llm_pid, "livekit_server": livekit.pid if livekit else None}
+    cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()} | {"callers": children_cpu_seconds()}
+    started = time.perf_counter()
+    runs = await call(transport, port, wavs, app.state.sessions.snapshot, scratch / f"{transport}-{n}", callers=n,
+                      nice=args.caller_nice)  # fmt: skip
+    wall = time.perf_counter() - started
+    cpu_after = {name: cpu_seconds(pid) for name, pid in pids.items()} | {"callers": children_cpu_seconds()}
+    # Where the 2 cores went while the callers talked: the callers stand for phones and browsers
+    # elsewhere, but here they share the agent's cores.
+    cpu = {name: cpu_after[name] - cpu_before[name] for name in cpu_before if cpu_before[name] is not None}
+    rows = [row for run in runs for row in await judge(engines, run, asked)]
     llm_rss = process_memory_mb(llm_pid)["rss"] if llm_pid is not None else None
     rss = process_memory_mb()["rss"]
     v2v = [r["voice_to_voice"] for r in rows if r["voice_to_voice"] is not None]
@@ -66,10 +92,14 @@ async def step(n: int, transport: str, port: int, app, engines, asked, wavs, scr
         "llm_process_rss_mb": llm_rss,
         "total_rss_mb": rss + (llm_rss or 0.0),
         "wall_seconds": wall,
+        "caller_nice": args.caller_nice,
+        "cpu_seconds": cpu,
+        "cores_busy": sum(cpu.values()) / wall,
         "turns": rows,
     }
     print(f"{n} caller(s): {result['answered']}/{result['asked']} answered, p50 {fmt(result['v2v_p50'])}, "
-          f"p95 {fmt(result['v2v_p95'])}, underruns {result['underruns']}", flush=True)  # fmt: skip
+          f"p95 {fmt(result['v2v_p95'])}, underruns {result['underruns']}, cores busy {result['cores_busy']:.2f} "
+          f"(callers {cpu['callers'] / wall:.2f})", flush=True)  # fmt: skip
     return result
 
 
@@ -111,14 +141,16 @@ async def main(args) -> None:
         livekit = stack.enter_context(LiveKitServerProcess()) if args.transport == "livekit" else None
         ours = agent_settings(settings, livekit)
         app = await stack.enter_async_context(serving(create_app(ours, engines), ours.port))
-        steps = [await step(n, args.transport, ours.port, app, engines, asked, wavs, scratch) for n in args.ramp]
+        steps = [await step(n, args, ours.port, app, engines, asked, wavs, scratch, livekit) for n in args.ramp]
     engines.close()
 
     print(f"\nload ramp over {args.transport}, {settings.profile} profile, target voice-to-voice p95 ≤ {target:g} s")
-    print(f"{'callers':>7} {'answered':>9} {'right':>6} {'v2v p50':>8} {'v2v p95':>8} {'underruns':>9} {'RSS MB':>7}")
+    print(f"{'callers':>7} {'answered':>9} {'right':>6} {'v2v p50':>8} {'v2v p95':>8} {'underruns':>9} {'RSS MB':>7} "
+          f"{'cores busy':>10} {'by callers':>10}")  # fmt: skip
     for s in steps:
         print(f"{s['callers']:>7} {s['answered']:>4}/{s['asked']:<4} {s['correct']:>6} {fmt(s['v2v_p50']):>8} "
-              f"{fmt(s['v2v_p95']):>8} {s['underruns']:>9} {s['total_rss_mb']:>7.0f}")  # fmt: skip
+              f"{fmt(s['v2v_p95']):>8} {s['underruns']:>9} {s['total_rss_mb']:>7.0f} {s['cores_busy']:>10.2f} "
+              f"{s['cpu_seconds']['callers'] / s['wall_seconds']:>10.2f}")  # fmt: skip
     out = args.out or RESULTS / f"load-{settings.profile}.json"
     write_json(out, {
         "date": now_iso(),

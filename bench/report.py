@@ -63,6 +63,22 @@ def machine_info(load_average_1m, **extra):
     }
 
 
+def cpu_seconds(pid: int | str | None = "self") -> float | None:
+    """CPU time (user + system) a process has used so far, seconds; None for no process. Its
+    children's are not counted until it has waited for them (`children_cpu_seconds`)."""
+    if pid is None:
+        return None
+    # /proc/PID/stat: the 14th and 15th fields; the 2nd, the name, is in parentheses and may hold spaces.
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_seconds() -> float:
+    """CPU time (user + system) of this process' children that have ended and been waited for."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def process_memory_mb(pid: int | str = "self") -> dict[str, float]:
     """A process' resident memory (this one's by default), MB: rss = anon (heap, tensors) + file (mapped files) + shmem.
 

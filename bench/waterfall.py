@@ -100,10 +100,11 @@ async def call(
     *,
     callers: int = 1,
     lead_in_secs: float = 1.0,
+    nice: int = 0,
 ) -> list[CallerRun]:
     """`callers` processes (harness.caller) at once, each asking every question in `wavs` over
     `transport`; while they talk, each new conversation (`conversations()`: key → Conversation)
-    gets a TurnLog."""
+    gets a TurnLog. `nice`: the callers' CPU niceness (0: the agent's)."""
     before = set(conversations())
     logs: dict[str, TurnLog] = {}
     processes = []
@@ -114,7 +115,7 @@ async def call(
         for wav in wavs:
             command += ["--wav", str(wav)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("LIVEKIT_")}
-        processes.append(await asyncio.create_subprocess_exec(*command, env=env))
+        processes.append(await asyncio.create_subprocess_exec(*command, env=env, preexec_fn=lambda: os.nice(nice)))
     waiting = [asyncio.create_task(p.wait()) for p in processes]
     while not all(w.done() for w in waiting):
         for key, conversation in list(conversations().items()):

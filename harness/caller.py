@@ -19,7 +19,7 @@ from aiortc.mediastreams import MediaStreamError
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
-from agent.transports.webrtc import release_audio_packets_at_once
+from agent.transports.webrtc_audio import release_audio_packets_at_once
 from agent.ws_client import read_wav_16k, write_wav
 
 MIC_RATE = 16000  # what the caller says, and what reply WAVs are saved at

@@ -235,12 +235,54 @@ def test_the_rtc_runtime_started_up_front_is_the_one_every_job_thread_gets():
     assert (built, distinct) == ("1", "1"), f"{built} FFI clients built, job threads saw {distinct}"
 
 
+async def test_each_livekit_audio_stream_is_sent_its_own_frames_only():
+    # agent.transports.livekit.deliver_audio_frames_to_their_stream_only. Without it, on livekit
+    # 1.1.21, each of three streams was sent 300 frame events in a second and kept 100.
+    from livekit import rtc
+
+    from agent.transports.livekit import deliver_audio_frames_to_their_stream_only
+
+    deliver_audio_frames_to_their_stream_only()
+    sources = [rtc.AudioSource(48000, 1) for _ in range(3)]
+    streams = [rtc.AudioStream(rtc.LocalAudioTrack.create_audio_track(f"mic-{n}", s)) for n, s in enumerate(sources)]
+    sent, kept = [0] * 3, [0] * 3
+    for n, stream in enumerate(streams):
+        put = stream._ffi_queue.put_nowait
+
+        def counted(event, n=n, put=put):
+            sent[n] += 1
+            put(event)
+
+        stream._ffi_queue.put_nowait = counted
+
+    async def listen(n):
+        async for _ in streams[n]:
+            kept[n] += 1
+
+    listeners = [asyncio.create_task(listen(n)) for n in range(3)]
+    try:
+        # A local track's stream hears its source's silence, 100 frames a second.
+        for _ in range(200):
+            await asyncio.sleep(0.05)
+            if min(kept) >= 20:
+                break
+    finally:
+        for listener in listeners:
+            listener.cancel()
+        await asyncio.gather(*listeners, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
+    assert min(kept) >= 20, f"the local tracks' streams heard {kept} frames"
+    # Events sent before a stream's filter was set are the only ones it may drop.
+    assert all(s <= k + 5 for s, k in zip(sent, kept)), f"streams were sent {sent} frame events and kept {kept}"
+
+
 async def test_aiortc_still_keeps_its_audio_jitter_buffer_where_we_replace_it():
-    # agent.transports.webrtc.release_audio_packets_at_once
+    # agent.transports.webrtc_audio.release_audio_packets_at_once
     from aiortc import RTCPeerConnection
     from aiortc.rtp import RtpPacket
 
-    from agent.transports.webrtc import release_audio_packets_at_once
+    from agent.transports.webrtc_audio import release_audio_packets_at_once
 
     caller, agent = RTCPeerConnection(), RTCPeerConnection()
     try:

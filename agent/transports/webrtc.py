@@ -2,8 +2,6 @@
 
 import asyncio
 
-from aiortc import RTCRtpReceiver
-from aiortc.jitterbuffer import JitterBuffer
 from fastapi import FastAPI, Header, HTTPException
 from loguru import logger
 from pipecat.transports.base_transport import TransportParams
@@ -18,6 +16,7 @@ from pipecat.transports.smallwebrtc.transport import SmallWebRTCTransport
 from agent.conversation import build_conversation
 from agent.server.admission import Admission
 from agent.server.auth import check_api_key
+from agent.transports.webrtc_audio import release_audio_packets_at_once
 
 SHUTDOWN_GRACE_SECS = 5
 MAX_SDP_CHARS = 64 * 1024  # a browser's offer is 2-10 KB
@@ -126,24 +125,6 @@ class PeerToPeer:
             for task in stuck:
                 task.cancel()
             await asyncio.gather(*stuck, return_exceptions=True)
-
-
-# Packets aiortc's audio jitter buffer holds before it releases the oldest: its default (4) is
-# for a listener's smooth playback and delays every frame 60 ms more than this, to the VAD, which
-# only needs them in order (over loopback the P2P input came 0.12 s behind /ws's). Order and
-# loss are handled as before: a gap still waits until the buffer is full.
-AUDIO_JITTER_PREFETCH = 1
-
-
-def release_audio_packets_at_once(receiver: RTCRtpReceiver) -> None:
-    """Give an audio receiver a jitter buffer that releases each frame as soon as the next arrives.
-
-    A reach into aiortc's private internals (checked against aiortc 1.16.0; the test
-    `test_aiortc_still_keeps_its_audio_jitter_buffer_where_we_replace_it` fails if it moves):
-    aiortc has no option for it. Pipecat replaces the video receiver's buffer the same way.
-    """
-    capacity = receiver._RTCRtpReceiver__jitter_buffer.capacity
-    receiver._RTCRtpReceiver__jitter_buffer = JitterBuffer(capacity=capacity, prefetch=AUDIO_JITTER_PREFETCH)
 
 
 async def peer_connected(connection: SmallWebRTCConnection, deadline_secs: float) -> bool:
