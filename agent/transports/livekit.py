@@ -80,6 +80,37 @@ def start_rtc_runtime() -> None:
     FfiClient.instance  # noqa: B018 (the property builds and keeps the singleton)
 
 
+def deliver_audio_frames_to_their_stream_only() -> None:
+    """Have each livekit-rtc AudioStream in this process receive its own track's frames only.
+
+    livekit 1.1.21 sends every audio frame event of the process to every AudioStream: its
+    subscription filters by event type only, and each stream drops the other streams' frames
+    on its own event loop. With one stream per room that is N² deliveries, each a wake-up of a
+    room's loop under the GIL: at four rooms three in four of them are thrown away. livekit
+    1.2 filters by the stream's handle, as this does, but livekit-agents 1.8.9 pins 1.1.21.
+    A private reach (FfiQueue's subscribers, AudioStream's queue and handle check), checked
+    against livekit 1.1.21; tests/test_library_internals.py fails when it moves.
+    """
+    from livekit.rtc import AudioStream
+    from livekit.rtc._ffi_client import FfiClient
+
+    if getattr(AudioStream.__init__, "own_frames_only", False):
+        return
+    subscribe_and_start = AudioStream.__init__
+
+    def __init__(self, *args, **kwargs):
+        subscribe_and_start(self, *args, **kwargs)
+        own = lambda e: e.WhichOneof("message") == "audio_stream_event" and self._is_event(e)  # noqa: E731
+        queue = FfiClient.instance.queue
+        with queue._lock:
+            queue._subscribers = [
+                (q, loop, own if q is self._ffi_queue else only) for q, loop, only in queue._subscribers
+            ]
+
+    __init__.own_frames_only = True
+    AudioStream.__init__ = __init__
+
+
 def create_agent_server(engines: Engines, admission: Admission) -> AgentServer:
     """An AgentServer whose jobs all run in this process (THREAD executor) and share `engines`."""
     settings, sessions = admission.settings, admission.sessions
@@ -221,6 +252,7 @@ class LiveKitRooms:
 
     def start(self, engines: Engines) -> None:
         start_rtc_runtime()
+        deliver_audio_frames_to_their_stream_only()
         self.agent_server = create_agent_server(engines, self._admission)
         self._worker = asyncio.create_task(self._run())
 
