@@ -235,14 +235,17 @@ def test_the_rtc_runtime_started_up_front_is_the_one_every_job_thread_gets():
     assert (built, distinct) == ("1", "1"), f"{built} FFI clients built, job threads saw {distinct}"
 
 
-async def test_each_livekit_audio_stream_is_sent_its_own_frames_only():
-    # agent.transports.livekit.deliver_audio_frames_to_their_stream_only. Without it, on livekit
-    # 1.1.21, each of three streams was sent 300 frame events in a second and kept 100.
+async def test_livekit_media_frames_are_sent_to_their_stream_only():
+    # agent.transports.livekit.send_media_frames_to_their_stream_only. Without it, on livekit
+    # 1.1.21, each of three streams was sent 300 frame events in a second and kept 100, and a
+    # subscription without a filter (a request waiting for its reply) was sent all of them.
     from livekit import rtc
+    from livekit.rtc._ffi_client import FfiClient
 
-    from agent.transports.livekit import deliver_audio_frames_to_their_stream_only
+    from agent.transports.livekit import send_media_frames_to_their_stream_only
 
-    deliver_audio_frames_to_their_stream_only()
+    send_media_frames_to_their_stream_only()
+    waiting_for_a_reply = FfiClient.instance.queue.subscribe()
     sources = [rtc.AudioSource(48000, 1) for _ in range(3)]
     streams = [rtc.AudioStream(rtc.LocalAudioTrack.create_audio_track(f"mic-{n}", s)) for n, s in enumerate(sources)]
     sent, kept = [0] * 3, [0] * 3
@@ -272,6 +275,11 @@ async def test_each_livekit_audio_stream_is_sent_its_own_frames_only():
         await asyncio.gather(*listeners, return_exceptions=True)
         for stream in streams:
             await stream.aclose()
+        FfiClient.instance.queue.unsubscribe(waiting_for_a_reply)
+    frames_to_the_waiter = 0
+    while not waiting_for_a_reply.empty():
+        frames_to_the_waiter += waiting_for_a_reply.get_nowait().WhichOneof("message") == "audio_stream_event"
+    assert frames_to_the_waiter == 0, f"a request waiting for its reply was sent {frames_to_the_waiter} audio frames"
     assert min(kept) >= 20, f"the local tracks' streams heard {kept} frames"
     # Events sent before a stream's filter was set are the only ones it may drop.
     assert all(s <= k + 5 for s, k in zip(sent, kept)), f"streams were sent {sent} frame events and kept {kept}"

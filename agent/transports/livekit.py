@@ -80,22 +80,41 @@ def start_rtc_runtime() -> None:
     FfiClient.instance  # noqa: B018 (the property builds and keeps the singleton)
 
 
-def deliver_audio_frames_to_their_stream_only() -> None:
-    """Have each livekit-rtc AudioStream in this process receive its own track's frames only.
+# livekit-rtc's FFI events that carry media frames; only AudioStream and VideoStream read them.
+MEDIA_FRAME_EVENTS = ("audio_stream_event", "video_stream_event")
 
-    livekit 1.1.21 sends every audio frame event of the process to every AudioStream: its
-    subscription filters by event type only, and each stream drops the other streams' frames
-    on its own event loop. With one stream per room that is N² deliveries, each a wake-up of a
-    room's loop under the GIL: at four rooms three in four of them are thrown away. livekit
-    1.2 filters by the stream's handle, as this does, but livekit-agents 1.8.9 pins 1.1.21.
-    A private reach (FfiQueue's subscribers, AudioStream's queue and handle check), checked
-    against livekit 1.1.21; tests/test_library_internals.py fails when it moves.
+
+def send_media_frames_to_their_stream_only() -> None:
+    """Send each livekit-rtc media frame event to the stream it belongs to, and to no one else.
+
+    livekit 1.1.21 hands an FFI event to every subscriber whose filter lets it through, each
+    hand-over a wake-up of that subscriber's event loop under the GIL, and two kinds of
+    subscriber let through frames only to drop them: an AudioStream filters by event type, so
+    it is sent every room's audio frames (N² for N rooms); a request waiting for its reply
+    subscribes with no filter, and `AudioSource.capture_frame` (50 a second in a speaking room)
+    waits ~20 ms for room in the source's queue, sent every frame of every room meanwhile. At
+    four rooms that was most of what the rooms' loops were woken for. livekit 1.2 filters both
+    by handle and request id, but livekit-agents 1.8.9 pins 1.1.21.
+
+    Here an AudioStream's filter also checks its handle, and a subscription without a filter is
+    not sent media frames. A private reach (FfiQueue.subscribe and its subscribers, AudioStream's
+    queue and handle check), checked against livekit 1.1.21; tests/test_library_internals.py
+    fails when it moves.
     """
     from livekit.rtc import AudioStream
-    from livekit.rtc._ffi_client import FfiClient
+    from livekit.rtc._ffi_client import FfiClient, FfiQueue
 
-    if getattr(AudioStream.__init__, "own_frames_only", False):
+    if getattr(FfiQueue.subscribe, "without_media_frames", False):
         return
+    subscribe_any = FfiQueue.subscribe
+
+    def subscribe(self, loop=None, filter_fn=None):
+        if filter_fn is None:
+            filter_fn = lambda e: e.WhichOneof("message") not in MEDIA_FRAME_EVENTS  # noqa: E731
+        return subscribe_any(self, loop, filter_fn)
+
+    subscribe.without_media_frames = True
+    FfiQueue.subscribe = subscribe
     subscribe_and_start = AudioStream.__init__
 
     def __init__(self, *args, **kwargs):
@@ -107,7 +126,6 @@ def deliver_audio_frames_to_their_stream_only() -> None:
                 (q, loop, own if q is self._ffi_queue else only) for q, loop, only in queue._subscribers
             ]
 
-    __init__.own_frames_only = True
     AudioStream.__init__ = __init__
 
 
@@ -252,7 +270,7 @@ class LiveKitRooms:
 
     def start(self, engines: Engines) -> None:
         start_rtc_runtime()
-        deliver_audio_frames_to_their_stream_only()
+        send_media_frames_to_their_stream_only()
         self.agent_server = create_agent_server(engines, self._admission)
         self._worker = asyncio.create_task(self._run())
 
