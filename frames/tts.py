@@ -59,8 +59,11 @@ FIRST_CHUNK_WORDS = 3
 # machine) and the first sentence is spoken whole, as every later one is: a chunk spoken before
 # the rest of its sentence was ready left a gap inside the sentence.
 FIRST_CHUNK_WORDS_PER_SEC = 12.0
-# The rest of a sentence whose first words went ahead goes clause by clause: a long sentence
-# ("..., but it's actually ..., which is ...") is not waited for whole while its start plays out.
+# A reply's first sentence goes clause by clause, and so does the rest of one whose first words
+# went ahead: a long sentence ("..., but it's actually ..., which is ...") is not waited for whole
+# while its start plays out, nor, when the words come slowly (a busy machine), before anything is
+# said. A pause there is one a speaker makes too; the first clause of "The tallest mountain in the
+# world is Mount Everest, which is ..." no longer waits for the sentence's last seven words.
 CLAUSE_END = (",", ";", ":")
 CLAUSE_MIN_WORDS = 3  # a shorter clause ("Everest,") goes with the next one: a word alone sounds clipped
 
@@ -77,8 +80,8 @@ class SpeakableChunkAggregator(SimpleTextAggregator):
     as soon as they are here (the LLM engine sends each word once it is whole, see SpokenReply),
     when the text arrives fast enough that
     the rest of the sentence will be ready before they have been said (FIRST_CHUNK_WORDS_PER_SEC);
-    the rest of that sentence then goes clause by clause. Otherwise the first sentence waits for
-    its end like the others.
+    the rest of that sentence then goes clause by clause. Otherwise the first sentence goes
+    clause by clause from its start; later sentences go whole.
 
     Extends SimpleTextAggregator through the hook its docstring offers subclasses
     (`_check_sentence_with_lookahead`) and its buffer `_text`.
@@ -119,11 +122,12 @@ class SpeakableChunkAggregator(SimpleTextAggregator):
             self._in_split_sentence = False
         elif (
             char.isspace()
-            and self._in_split_sentence
+            and (self._in_split_sentence or not (self._reply_spoken or self._first_words_ready()))
             and self._text.rstrip().endswith(CLAUSE_END)
             and len(self._text.split()) >= CLAUSE_MIN_WORDS
         ):
             sentence = self._cut(len(self._text))
+            self._in_split_sentence = True
         return sentence
 
     def _cut(self, end: int) -> Aggregation:

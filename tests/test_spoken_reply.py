@@ -103,10 +103,12 @@ async def chunks_of(tokens: list[str], seconds_per_token: float = 0.2, aggregato
 TWO_SENTENCES = ["The", " tallest", " mountain", " is", " Everest", ",", " which", " is", " in", " Nepal", ". ", "It", " is", " tall", "."]
 
 
-async def test_text_arriving_slowly_reaches_the_voice_in_whole_sentences():
-    # 5 words a second: the rest of a sentence might not be ready by the time its start was said.
+async def test_text_arriving_slowly_reaches_the_voice_clause_by_clause_then_in_whole_sentences():
+    # 5 words a second: the rest of a sentence might not be ready by the time its first words
+    # were said, so none go ahead; its first clause does, where a speaker pauses anyway.
     assert await chunks_of(TWO_SENTENCES, seconds_per_token=0.2) == [
-        "The tallest mountain is Everest, which is in Nepal.",
+        "The tallest mountain is Everest,",
+        "which is in Nepal.",
         "It is tall.",
     ]
 
@@ -138,6 +140,14 @@ async def test_a_first_sentence_of_four_words_goes_whole_however_fast():
     # One word more, and its first three words go ahead of the last two.
     tokens = ["A", " spider", " has", " eight", " legs", ". ", "It", " is", " small", "."]
     assert await chunks_of(tokens, seconds_per_token=0.01) == ["A spider has", "eight legs.", "It is small."]
+
+
+async def test_a_long_first_clause_released_in_a_burst_still_starts_with_three_words():
+    # A reply generated while its turn was held comes in the pieces the LLM made, all at once.
+    aggregator = SpeakableChunkAggregator(clock=TokenClock(0.0))
+    pieces = [f"{word} " for word in "The tallest mountain in the world is Mount Everest, which is".split()]
+    said = [a.text for piece in pieces async for a in aggregator.aggregate(piece)]
+    assert said[0] == "The tallest mountain"
 
 
 async def test_a_short_reply_released_in_a_burst_goes_whole():
