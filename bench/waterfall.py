@@ -115,7 +115,9 @@ async def call(
         for wav in wavs:
             command += ["--wav", str(wav)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("LIVEKIT_")}
-        processes.append(await asyncio.create_subprocess_exec(*command, env=env, preexec_fn=lambda: os.nice(nice)))
+        if nice:
+            command = ["nice", "-n", str(nice), *command]
+        processes.append(await asyncio.create_subprocess_exec(*command, env=env))
     waiting = [asyncio.create_task(p.wait()) for p in processes]
     while not all(w.done() for w in waiting):
         for key, conversation in list(conversations().items()):

@@ -56,8 +56,8 @@ def estimate_word_times(text: str, start: float, duration: float) -> list[tuple[
 # int8-weight LLM, two runs back to back); right answers 7/7/6 of 10 against 7/7/7.
 FIRST_CHUNK_WORDS = 3
 # ...provided the reply's words arrive at least this fast (~4x speaking pace). Slower (a busy
-# machine) and the first sentence is spoken whole, as every later one is: a chunk spoken before
-# the rest of its sentence was ready left a gap inside the sentence.
+# machine) and no words go ahead of their clause (see CLAUSE_END): a chunk spoken before the
+# rest of its sentence was ready left a gap inside the sentence.
 FIRST_CHUNK_WORDS_PER_SEC = 12.0
 # A reply's first sentence goes clause by clause, and so does the rest of one whose first words
 # went ahead: a long sentence ("..., but it's actually ..., which is ...") is not waited for whole
