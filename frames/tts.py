@@ -122,9 +122,9 @@ class SpeakableChunkAggregator(SimpleTextAggregator):
             self._in_split_sentence = False
         elif (
             char.isspace()
-            and (self._in_split_sentence or not (self._reply_spoken or self._first_words_ready()))
             and self._text.rstrip().endswith(CLAUSE_END)
             and len(self._text.split()) >= CLAUSE_MIN_WORDS
+            and (self._in_split_sentence or not (self._reply_spoken or self._first_words_ready()))
         ):
             sentence = self._cut(len(self._text))
             self._in_split_sentence = True

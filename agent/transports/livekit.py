@@ -84,6 +84,10 @@ def start_rtc_runtime() -> None:
 MEDIA_FRAME_EVENTS = ("audio_stream_event", "video_stream_event")
 
 
+def _not_a_media_frame(event) -> bool:
+    return event.WhichOneof("message") not in MEDIA_FRAME_EVENTS
+
+
 def send_media_frames_to_their_stream_only() -> None:
     """Send each livekit-rtc media frame event to the stream it belongs to, and to no one else.
 
@@ -109,9 +113,7 @@ def send_media_frames_to_their_stream_only() -> None:
     subscribe_any = FfiQueue.subscribe
 
     def subscribe(self, loop=None, filter_fn=None):
-        if filter_fn is None:
-            filter_fn = lambda e: e.WhichOneof("message") not in MEDIA_FRAME_EVENTS  # noqa: E731
-        return subscribe_any(self, loop, filter_fn)
+        return subscribe_any(self, loop, filter_fn or _not_a_media_frame)
 
     subscribe.without_media_frames = True
     FfiQueue.subscribe = subscribe
