@@ -40,3 +40,17 @@ def pcm16_to_float(pcm: bytes, sample_rate: int, target_rate: int) -> np.ndarray
 def float_to_pcm16(audio: np.ndarray) -> bytes:
     """float audio in [-1, 1] → PCM16 bytes, clipped so loud peaks cannot wrap around."""
     return (np.clip(audio, -1.0, 1.0) * 32767.0).astype(np.int16).tobytes()
+
+
+def without_leading_quiet(
+    audio: np.ndarray, sample_rate: int, *, keep_secs: float, quiet: float, window_secs: float = 0.01
+) -> np.ndarray:
+    """Float `audio` from `keep_secs` before its first window (of `window_secs`) whose RMS is above
+    `quiet` times its loudest window's."""
+    window = max(1, int(window_secs * sample_rate))
+    frames = audio[: audio.size // window * window].reshape(-1, window)
+    if frames.size == 0:
+        return audio
+    loudness = np.sqrt(np.mean(frames**2, axis=1))
+    first = int(np.argmax(loudness > quiet * loudness.max()))
+    return audio[max(0, first * window - int(keep_secs * sample_rate)) :]

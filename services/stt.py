@@ -11,7 +11,7 @@ from faster_whisper import WhisperModel
 from faster_whisper.tokenizer import Tokenizer
 from faster_whisper.transcribe import get_ctranslate2_storage, get_suppressed_tokens
 
-from services.audio import INPUT_SAMPLE_RATE, pcm16_to_float
+from services.audio import INPUT_SAMPLE_RATE, pcm16_to_float, without_leading_quiet
 from services.spoken_reply import words
 
 WHISPER_SAMPLE_RATE = INPUT_SAMPLE_RATE
@@ -167,7 +167,9 @@ class WhisperEngine:
         on whole windows, so now and then the decoder loops on a short encoding ("What is it?
         What is it? ..."); that result is refused (None) and the caller encodes the full window.
         """
-        audio = without_leading_quiet(audio)  # at its own length, the encoder pays for pre-roll too
+        # At its own length, the encoder pays for pre-roll too: a segment comes with up to 3 s of
+        # it (frames/stt.py), mostly room tone.
+        audio = without_leading_quiet(audio, WHISPER_SAMPLE_RATE, keep_secs=0.3, quiet=0.05, window_secs=0.02)
         window = max(audio.size / WHISPER_SAMPLE_RATE + SHORT_PAD_SECS, SHORT_MIN_WINDOW_SECS)
         padded = np.zeros(int(window * WHISPER_SAMPLE_RATE), np.float32)
         padded[: audio.size] = audio
@@ -197,19 +199,6 @@ class WhisperEngine:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def without_leading_quiet(audio: np.ndarray, keep_secs: float = 0.3, window_secs: float = 0.02) -> np.ndarray:
-    """`audio` from `keep_secs` before its first window louder than 5 % of its loudest one.
-
-    A segment comes with up to 3 s of pre-roll (frames/stt.py) that is mostly room tone."""
-    window = int(window_secs * WHISPER_SAMPLE_RATE)
-    frames = audio[: audio.size // window * window].reshape(-1, window)
-    if frames.size == 0:
-        return audio
-    loudness = np.sqrt(np.mean(frames**2, axis=1))
-    first = int(np.argmax(loudness > 0.05 * loudness.max()))
-    return audio[max(0, first * window - int(keep_secs * WHISPER_SAMPLE_RATE)) :]
 
 
 def first_of_repeats(text: str) -> str:

@@ -15,6 +15,7 @@ from frames.turn_taking.turn_models import SharedSileroVADAnalyzer
 from harness.local_session import LocalSession
 from services.quantized_linear import Int8Linear
 from services.llm import TransformersLLMEngine, load_model
+from services.audio import without_leading_quiet
 from services.stt import WhisperEngine
 from services.tts_piper import PiperEngine
 from harness.speech import heard_as, normalize, wer
@@ -279,3 +280,23 @@ async def test_the_test_users_voice_says_a_line_the_same_way_every_time_and_the_
     varied = [await engines.tts.synthesize("Mhm.") for _ in range(2)]
     assert repeatable[0] == repeatable[1]
     assert varied[0] != varied[1]
+
+
+async def test_the_voice_starts_at_its_first_sound_and_keeps_its_words(engines):
+    # Piper opens a sentence with 20-60 ms of near-silence that a listener would wait through.
+    text = "The largest planet is Jupiter."
+    pcm = np.frombuffer(await engines.tts.synthesize(text, repeatable=True), np.int16).astype(np.float32)
+    window = engines.tts.sample_rate // 100
+    loudness = np.sqrt((pcm[: pcm.size // window * window].reshape(-1, window) ** 2).mean(axis=1))
+    first_sound = int(np.argmax(loudness > 0.005 * loudness.max()))
+    assert first_sound <= 2, f"{first_sound * 10} ms before the first sound"
+    transcript = await engines.stt.transcribe(pcm.astype(np.int16).tobytes(), engines.tts.sample_rate)
+    assert heard_as(text, transcript.text), transcript.text
+
+
+def test_leading_quiet_is_cut_to_what_is_asked_for():
+    rate = 16000
+    sound = np.sin(np.arange(rate // 10) / 5).astype(np.float32)
+    audio = np.concatenate([np.zeros(rate // 20, np.float32), sound])  # 50 ms of quiet, then sound
+    assert without_leading_quiet(audio, rate, keep_secs=0.01, quiet=0.005).size == sound.size + rate // 100
+    assert without_leading_quiet(sound, rate, keep_secs=0.01, quiet=0.005).size == sound.size
