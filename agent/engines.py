@@ -60,7 +60,7 @@ def load_engines(settings: Settings) -> Engines:
 def load_stt(settings: Settings) -> WhisperEngine:
     return WhisperEngine(
         bundled.stt_path(settings.stt_model, settings.cache_dir),
-        **settings.of_stage("stt", "device", "compute_type", "workers", "language", "beam_size"),
+        **settings.of_stage("stt", "device", "compute_type", "workers", "language", "beam_size", "cpu_threads"),
     )
 
 

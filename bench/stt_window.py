@@ -47,7 +47,7 @@ parser.add_argument("--out", type=Path, default=RESULTS / "stt-window-cpu.json",
 async def main(args):
     settings = Settings(_env_file=None, greeting="", llm_max_new_tokens=4)
     engines = await load_engines_warm(settings)
-    stt = settings.of_stage("stt", "device", "compute_type", "language", "beam_size")
+    stt = settings.of_stage("stt", "device", "compute_type", "language", "beam_size", "cpu_threads")
     engine = WhisperEngine(settings.stt_model, **stt, workers=1)
     short_by_window = {"30 s window": False, "short": True}
     rng = np.random.default_rng(0)

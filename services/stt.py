@@ -68,6 +68,7 @@ class WhisperEngine:
         workers: int,
         language: str | None,
         beam_size: int,
+        cpu_threads: int,
     ):
         self.model_name = model
         # A bundled model's directory is just ".../model"; /health shows a name, not a path.
@@ -84,6 +85,7 @@ class WhisperEngine:
             device_index=device_index,
             compute_type=compute_type,
             num_workers=workers,
+            cpu_threads=cpu_threads,  # each worker's
             local_files_only=Path(model).is_dir(),  # a directory never needs the hub
         )
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="whisper")

@@ -123,6 +123,7 @@ def ears(settings):
         workers=1,
         language=settings.stt_language,
         beam_size=settings.stt_beam_size,
+        cpu_threads=settings.stt_cpu_threads,
     )
     yield ears
     ears.close()
