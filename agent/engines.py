@@ -68,8 +68,7 @@ def load_llm(settings: Settings) -> TransformersLLMEngine:
     llm = TransformersLLMEngine.load(
         bundled.llm_path(settings.llm_model, settings.cache_dir),
         cache_dir=settings.cache_dir,
-        **settings.of_stage("llm", "gguf_file", "device", "dtype", "cpu_threads", "prompt_cpu_threads"),
-        **settings.of_stage("llm", "max_new_tokens", "temperature"),
+        **settings.of_stage("llm", "gguf_file", "device", "dtype", "cpu_threads", "max_new_tokens", "temperature"),
         **settings.of_stage("llm", "max_batch", "kv_cache_tokens", "own_process"),
         child_env=environment_without_secrets(),
         child_secrets={"HF_TOKEN": settings.hf_token.get_secret_value()} if settings.hf_token else None,

@@ -29,18 +29,11 @@ MAX_BATCH_TOKENS = 1024  # prompt + generated tokens one batched step may proces
 # tokens after it did not slow down). On a GPU, where prefill is cheap, the default stays (not
 # measured there).
 CPU_PAGE_SIZE = 8
-# A forward pass reading at least this many tokens (a prompt, or a step holding one) runs on the
-# prompt threads; a decoding step (a token for each request) on the decoding ones. SmolLM2-135M on
-# 2 CPU cores, in one process, alternating: a 32-token prompt's first token 84 ms on one thread,
-# 57 on two; a decoding step 39 ms on one, 55 on two (four requests: 51 and 75 ms). Switching by
-# step: 43 ms and 38 ms. The greedy replies to 20 questions in one conversation were the same.
-PROMPT_STEP_TOKENS = 8
 
 
-def load_model(source: str, *, device: str, dtype: str, cpu_threads: int, prompt_cpu_threads: int | None = None):
+def load_model(source: str, *, device: str, dtype: str, cpu_threads: int):
     """The model from an HF hub id or directory, on `device`; on CPU with `dtype` auto, its 4-bit
-    layers and its output layer on torch's int8 kernel. On CPU it decodes on `cpu_threads` torch
-    threads and reads prompts on `prompt_cpu_threads` (default: as many)."""
+    layers and its output layer on torch's int8 kernel."""
     started = time.perf_counter()
     if device == "cpu":
         # The continuous-batching thread takes torch's thread count as it is when it starts.
@@ -52,32 +45,8 @@ def load_model(source: str, *, device: str, dtype: str, cpu_threads: int, prompt
         loaded_as += f", {packed} of {packed + kept} Linear layers (the 4-bit ones) on the int8 kernel"
         if quantize_output_layer(model):
             loaded_as += ", the output layer on the int8 kernel"
-    if device == "cpu" and prompt_cpu_threads and prompt_cpu_threads != cpu_threads:
-        switch_threads_by_step(model, decode_threads=cpu_threads, prompt_threads=prompt_cpu_threads)
-        loaded_as += f", decoding on {cpu_threads} thread(s) and reading prompts on {prompt_cpu_threads}"
     logger.info(f"LLM {source} loaded on {device} as {loaded_as} in {time.perf_counter() - started:.1f}s")
     return model
-
-
-def switch_threads_by_step(model: torch.nn.Module, *, decode_threads: int, prompt_threads: int) -> None:
-    """Run each forward pass of `model` on `prompt_threads` torch threads when it reads at least
-    PROMPT_STEP_TOKENS tokens, else on `decode_threads`.
-
-    A prompt's tokens are matrix products that a second thread halves; a decoding step is ~1200
-    small operations, for each of which a second thread only has to be woken and waited for. The
-    hook runs in the generation thread, so the count it sets is that thread's own (OpenMP keeps
-    one per thread): Kokoro, in another thread of the agent's process, keeps its count.
-    """
-
-    def set_threads(module, args, kwargs):
-        tokens = kwargs.get("input_ids", args[0] if args else None)
-        if tokens is None:
-            tokens = kwargs["inputs_embeds"][..., 0]
-        threads = prompt_threads if tokens.shape[-1] >= PROMPT_STEP_TOKENS else decode_threads
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
-
-    model.register_forward_pre_hook(set_threads, with_kwargs=True)
 
 
 def load_batch_generator(
@@ -86,14 +55,13 @@ def load_batch_generator(
     device: str,
     dtype: str,
     cpu_threads: int,
-    prompt_cpu_threads: int | None = None,
     max_new_tokens: int,
     temperature: float,
     max_batch: int,
     kv_cache_tokens: int,
 ) -> ContinuousBatchGenerator:
     """The model of `source` in a continuous batch (run in the agent's process or in a child)."""
-    model = load_model(source, device=device, dtype=dtype, cpu_threads=cpu_threads, prompt_cpu_threads=prompt_cpu_threads)
+    model = load_model(source, device=device, dtype=dtype, cpu_threads=cpu_threads)
     tokenizer = AutoTokenizer.from_pretrained(source)
     eos = model.generation_config.eos_token_id
     if eos is None:
@@ -153,7 +121,6 @@ class TransformersLLMEngine:
         device: str,
         dtype: str,
         cpu_threads: int,
-        prompt_cpu_threads: int | None = None,
         max_new_tokens: int,
         own_process: bool = False,
         child_env: dict[str, str] | None = None,
@@ -174,7 +141,6 @@ class TransformersLLMEngine:
             device=device,
             dtype=dtype,
             cpu_threads=cpu_threads,
-            prompt_cpu_threads=prompt_cpu_threads,
             max_new_tokens=max_new_tokens,
             **batch_kwargs,
         )

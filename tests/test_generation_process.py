@@ -2,18 +2,16 @@
 
 import asyncio
 import os
-import threading
 import time
 from functools import partial
 
 import pytest
-import torch
 
 from agent.config import environment_without_secrets
 from harness.orpheus_models import save_tiny_orpheus
 from services.batched_generation import GenerationError
 from services.generation_process import GeneratorProcess
-from services.llm import PROMPT_STEP_TOKENS, load_batch_generator, load_model
+from services.llm import load_batch_generator
 
 PROMPTS = [[0, 5, 17, 300], [0, 9, 9, 1200, 44, 7], [0, 128270, 3]]
 
@@ -131,33 +129,3 @@ def test_the_child_gets_no_secret_from_the_environment(tiny_lm, monkeypatch):
         generator.close()
     assert b"do-not-leak" not in environ and b"hf_for_the_load_only" not in environ
     assert os.environ["API_KEY"] == "do-not-leak"  # ours is untouched
-
-
-def test_prompt_steps_run_on_the_prompt_threads_and_decoding_steps_on_the_decoding_ones(tiny_lm):
-    model = load_model(tiny_lm, device="cpu", dtype="float32", cpu_threads=1, prompt_cpu_threads=2)
-    seen: list[tuple[int, int]] = []  # (tokens read, torch threads) of each forward pass
-
-    def record(module, args, kwargs, output):
-        seen.append((kwargs["input_ids"].shape[-1], torch.get_num_threads()))
-
-    model.register_forward_hook(record, with_kwargs=True)
-
-    def forward_passes():  # in a thread of its own, as in the continuous batch: its thread count is its own
-        with torch.no_grad():
-            for tokens in (PROMPT_STEP_TOKENS + 4, 1, 3, PROMPT_STEP_TOKENS):
-                model(input_ids=torch.arange(tokens)[None])
-
-    worker = threading.Thread(target=forward_passes)
-    worker.start()
-    worker.join()
-    assert seen == [(PROMPT_STEP_TOKENS + 4, 2), (1, 1), (3, 1), (PROMPT_STEP_TOKENS, 2)]
-
-
-async def test_switching_threads_by_step_generates_the_same_tokens(tiny_lm):
-    one_thread, switching = build(tiny_lm)(), partial(build(tiny_lm), prompt_cpu_threads=2)()
-    try:
-        for prompt in PROMPTS:
-            assert await generate(switching, prompt) == await generate(one_thread, prompt)
-    finally:
-        one_thread.close()
-        switching.close()
