@@ -97,8 +97,8 @@ class Settings(BaseSettings):
         1,
         ge=1,
         description=(
-            "torch threads for the LLM on cpu. One decodes about as fast as two (a token reads the "
-            "weights once: memory-bound) and leaves the other cores to STT and TTS."
+            "torch threads for the LLM on cpu. One decodes faster than two on 2 cores (39 against "
+            "55 ms a step: a step is many small operations) and leaves the other core to STT and TTS."
         ),
     )
     llm_own_process: bool = Field(
