@@ -67,7 +67,8 @@ async def test_the_vad_counts_the_quiet_it_heard_and_a_voice_resets_it_before_it
     await hear(speech)
     quiet = await hear(bytes(2 * 16000))  # a second of silence
     assert quiet[-1][0] is VADState.QUIET
-    assert 0.98 <= quiet[-1][1] <= 1.1, quiet[-1]  # all of it, and the speech's own quiet tail
+    # All of it, and the speech's own quiet tail (Piper ends a sentence with up to 0.25 s of quiet).
+    assert 0.98 <= quiet[-1][1] <= 1.25, quiet[-1]
     again = await hear(speech[: 2 * 8000])  # the user goes on
     voiced = [i for i, (state, _) in enumerate(again) if state is not VADState.QUIET]
     speaking = [i for i, (state, _) in enumerate(again) if state is VADState.SPEAKING]
