@@ -5,7 +5,6 @@ import json
 import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from pathlib import Path
 
 from piper import PiperConfig, PiperVoice, SynthesisConfig
@@ -18,12 +17,6 @@ from services.audio import float_to_pcm16, without_leading_quiet
 # chunk's audio took 161 and 151 ms (p50) on one thread against 177 and 165 ms on two.
 ONNX_THREADS = 1
 LEAD_IN_SECS = 0.01  # quiet kept before a sentence's first sound
-# Quiet kept after the last sound of text that stops mid-sentence (no closing punctuation): the
-# first words of a reply sent ahead of the rest ("The capital of"). Piper ends every sentence with
-# 130-250 ms of quiet, a pause inside the sentence where a speaker makes little or none.
-RUN_ON_SECS = 0.05
-QUIET = 0.005  # of a sentence's loudest 10 ms: below it is quiet
-PUNCTUATION = tuple(".!?,;:…。！？、")
 
 
 class PiperEngine:
@@ -65,16 +58,13 @@ class PiperEngine:
         with self._phonemize_lock:
             return self._voice.phonemize(text)
 
-    def _sentence_audio(self, phonemes: list[str], config: SynthesisConfig, *, runs_on: bool) -> bytes:
+    def _sentence_audio(self, phonemes: list[str], config: SynthesisConfig) -> bytes:
         ids = self._voice.phonemes_to_ids(phonemes)
         audio = self._voice.phoneme_ids_to_audio(ids, config)
         self.syntheses += 1
         # Piper starts a sentence with 20-60 ms of near-silence (under 0.5 % of its loudest 10 ms),
         # which a reply's listener would wait through before its first word.
-        audio = without_leading_quiet(audio, self.sample_rate, keep_secs=LEAD_IN_SECS, quiet=QUIET)
-        if runs_on:
-            audio = without_leading_quiet(audio[::-1], self.sample_rate, keep_secs=RUN_ON_SECS, quiet=QUIET)[::-1]
-        return float_to_pcm16(audio)
+        return float_to_pcm16(without_leading_quiet(audio, self.sample_rate, keep_secs=LEAD_IN_SECS, quiet=0.005))
 
     async def stream(self, text: str, *, voice: str | None = None, repeatable: bool = False) -> AsyncIterator[bytes]:
         """Yield mono PCM16 at `self.sample_rate`, one chunk per sentence of `text`. A Piper model
@@ -86,12 +76,10 @@ class PiperEngine:
         self.in_flight += 1
         try:
             sentences = await loop.run_in_executor(self._pool, self._phonemize, text)
-            config = self._repeatable_config if repeatable else self._config
-            for i, phonemes in enumerate(sentences):
+            for phonemes in sentences:
                 if phonemes:
-                    runs_on = i == len(sentences) - 1 and not text.rstrip().endswith(PUNCTUATION)
-                    audio = partial(self._sentence_audio, phonemes, config, runs_on=runs_on)
-                    yield await loop.run_in_executor(self._pool, audio)
+                    config = self._repeatable_config if repeatable else self._config
+                    yield await loop.run_in_executor(self._pool, self._sentence_audio, phonemes, config)
         finally:
             self.in_flight -= 1
 
