@@ -35,11 +35,11 @@ class FirstChunkAhead:
     longer one that begins with it, `take` hands it the audio made ahead (then the rest,
     synthesized) instead of synthesizing it again: the hold hid the voice's time to first audio.
 
-    A reply released in a burst has its first chunk cut as soon as its words are whole, whatever
-    the pace they were generated at, so the aggregator should do the same
-    (SpeakableChunkAggregator with words_per_sec=0): the TTS service's own first chunk then
-    begins with this one. Other text is never matched: it is synthesized as usual, and what was
-    made ahead goes unused.
+    The aggregator should cut the first words as soon as they are whole, whatever the pace they
+    were generated at (SpeakableChunkAggregator with words_per_sec=0): the TTS service's own first
+    chunk then begins with this one, whether it is the same three words (a reply generated fast)
+    or its first clause or sentence (generated slowly). Other text is never matched: it is
+    synthesized as usual, and what was made ahead goes unused.
     """
 
     def __init__(

@@ -59,6 +59,16 @@ FIRST_CHUNK_WORDS = 3
 # machine) and no words go ahead of their clause (see CLAUSE_END): a chunk spoken before the
 # rest of its sentence was ready left a gap inside the sentence.
 FIRST_CHUNK_WORDS_PER_SEC = 12.0
+# While a reply's first sentence goes in pieces, the voice must not run out of words before the
+# next piece comes: "Once upon a time," (1.1 s of speech) then "there was a brave knight named Sir
+# Valor and a dragon named Erebo." generated at 10 words a second left 0.4 s of silence between
+# them (a CI failure). So the aggregator keeps an estimate of when the voice will have said all
+# it was handed, and when that is VOICE_RUNS_DRY_SECS away, the rest's whole words go on (at least
+# CLAUSE_MIN_WORDS). Piper on a 2-core box takes 0.25-0.37 s a word, pauses included, and ~0.25 s
+# to a chunk's first audio: the low end, so that a chunk goes early rather than late.
+VOICE_SECS_PER_WORD = 0.25
+VOICE_FIRST_AUDIO_SECS = 0.25
+VOICE_RUNS_DRY_SECS = 0.35  # the next chunk's first audio, and a word's wait
 # A reply's first sentence goes clause by clause, and so does the rest of one whose first words
 # went ahead: a long sentence ("..., but it's actually ..., which is ...") is not waited for whole
 # while its start plays out, nor, when the words come slowly (a busy machine), before anything is
@@ -78,10 +88,15 @@ class SpeakableChunkAggregator(SimpleTextAggregator):
 
     The listener waits for the first words, so a reply's first FIRST_CHUNK_WORDS words are spoken
     as soon as they are here (the LLM engine sends each word once it is whole, see SpokenReply),
-    when the text arrives fast enough that
+    when the text is generated fast enough that
     the rest of the sentence will be ready before they have been said (FIRST_CHUNK_WORDS_PER_SEC);
-    the rest of that sentence then goes clause by clause. Otherwise the first sentence goes
-    clause by clause from its start; later sentences go whole.
+    the rest of that sentence then goes clause by clause. Otherwise the first sentence goes clause
+    by clause from its start. Either way, a piece of that first sentence goes as far as its words
+    are whole when the voice is about to run out of words (VOICE_RUNS_DRY_SECS); later sentences
+    go whole.
+
+    The pace is that of generation: the text of a held reply (frames/held_reply.py) is generated
+    long before it arrives here, all at once, and `generated` says when.
 
     Extends SimpleTextAggregator through the hook its docstring offers subclasses
     (`_check_sentence_with_lookahead`) and its buffer `_text`.
@@ -95,23 +110,39 @@ class SpeakableChunkAggregator(SimpleTextAggregator):
         self._words_per_sec = words_per_sec
         self._reply_spoken = False  # a chunk of this reply went to the voice
         self._in_split_sentence = False  # the sentence being aggregated began with an early chunk
-        self._first_text_at: float | None = None  # when this reply's first words arrived
+        self._first_text_at: float | None = None  # when this reply's first words were generated
         self._first_text_words = 0
+        self._held_reply_id: str | None = None  # the held reply whose first words those were
+        self._voice_done_at = 0.0  # when the voice will have said every chunk of this reply, roughly
 
-    async def aggregate(self, text: str) -> AsyncIterator[Aggregation]:
+    def generated(self, reply_id: str, text: str) -> None:
+        """`text` of held reply `reply_id` was generated just now; it arrives once released, all at
+        once, and its pace counts from here."""
+        if self._text.strip() or self._reply_spoken:  # a released reply is here: its text came as made
+            return
+        if reply_id != self._held_reply_id:  # the reply held before it was withdrawn
+            self._held_reply_id, self._first_text_at, self._first_text_words = reply_id, None, 0
+        self._note_first_text(text)
+
+    def _note_first_text(self, text: str) -> None:
+        """The pace counts from the reply's first words: when they were generated, or arrived."""
         if self._first_text_at is None and text.strip():
             self._first_text_at, self._first_text_words = self._clock(), len(text.split())
+
+    async def aggregate(self, text: str) -> AsyncIterator[Aggregation]:
+        self._note_first_text(text)
         async for aggregation in super().aggregate(text):
-            self._reply_spoken = True
-            yield aggregation
+            yield self._handed_on(aggregation)
         # Only at the end of what the LLM has sent: a sentence end further on in the same text
         # would show that the sentence is short, and must not be cut off from its start. So does
         # a sentence end with nothing after it yet: the LLM sends a reply's last sentence without
         # the space that ends it elsewhere, and a reply generated while its turn was held comes
         # in a burst, all of it but that space ("The capital of France | is Paris.").
         if not self._reply_spoken and not self._ends_a_sentence() and self._first_words_ready():
-            self._reply_spoken = self._in_split_sentence = True
-            yield self._cut(list(re.finditer(r"\S+", self._text))[FIRST_CHUNK_WORDS - 1].end())
+            self._in_split_sentence = True
+            yield self._handed_on(self._cut(list(re.finditer(r"\S+", self._text))[FIRST_CHUNK_WORDS - 1].end()))
+        elif self._voice_runs_dry():
+            yield self._handed_on(self._cut(self._whole_words()[-1].end()))
 
     async def _check_sentence_with_lookahead(self, char: str, *, protected_end: int = 0) -> Aggregation | None:
         sentence = await super()._check_sentence_with_lookahead(char, protected_end=protected_end)
@@ -130,6 +161,14 @@ class SpeakableChunkAggregator(SimpleTextAggregator):
             self._in_split_sentence = True
         return sentence
 
+    def _handed_on(self, chunk: Aggregation) -> Aggregation:
+        """Note `chunk` going to the voice, whichever way it was cut."""
+        now = self._clock()
+        self._reply_spoken = True
+        starts = max(self._voice_done_at, now + VOICE_FIRST_AUDIO_SECS)
+        self._voice_done_at = starts + len(chunk.text.split()) * VOICE_SECS_PER_WORD
+        return chunk
+
     def _cut(self, end: int) -> Aggregation:
         """The buffer up to `end`, as a chunk for the voice; the rest stays."""
         chunk, self._text = self._text[:end].strip(), self._text[end:].lstrip()
@@ -138,17 +177,30 @@ class SpeakableChunkAggregator(SimpleTextAggregator):
     def _ends_a_sentence(self) -> bool:
         return self._text.rstrip().endswith(tuple(SENTENCE_ENDING_PUNCTUATION))
 
+    def _whole_words(self) -> list[re.Match]:
+        """The buffer's words that a space has followed: the LLM will add nothing to them."""
+        return list(re.finditer(r"\S+\s", self._text))
+
     def _first_words_ready(self) -> bool:
-        words = len(re.findall(r"\S+\s", self._text))  # whole words: a space has followed them
+        words = len(self._whole_words())
         if words <= FIRST_CHUNK_WORDS or self._first_text_at is None:
             return False
         arrived = words - self._first_text_words  # the words that came after the first text
         elapsed = self._clock() - self._first_text_at
         return arrived > 0 and arrived >= elapsed * self._words_per_sec
 
+    def _voice_runs_dry(self) -> bool:
+        """The first sentence is in pieces, and the voice will soon have said every one of them."""
+        return (
+            self._in_split_sentence
+            and not self._ends_a_sentence()
+            and self._clock() >= self._voice_done_at - VOICE_RUNS_DRY_SECS
+            and len(self._whole_words()) >= CLAUSE_MIN_WORDS
+        )
+
     def _new_reply(self) -> None:
         self._reply_spoken, self._first_text_at, self._first_text_words = False, None, 0
-        self._in_split_sentence = False
+        self._in_split_sentence, self._held_reply_id, self._voice_done_at = False, None, 0.0
 
     async def flush(self) -> Aggregation | None:
         self._new_reply()  # the LLM's reply is over
@@ -190,7 +242,8 @@ class LocalTTSService(TTSService):
             settings=TTSSettings(model=None, voice=engine.voice, language=None),
             **kwargs,
         )
-        use_text_aggregator(self, SpeakableChunkAggregator())
+        self._chunker = SpeakableChunkAggregator()
+        use_text_aggregator(self, self._chunker)
         self._engine = engine
         self._on_sentence = on_sentence  # on_sentence(audio_seconds, wall_seconds), e.g. for metrics
         # A multilingual agent speaks each reply in the voice of the conversation's language.
@@ -208,6 +261,7 @@ class LocalTTSService(TTSService):
 
     async def process_frame(self, frame: Frame, direction: FrameDirection):
         if isinstance(frame, HeldReplyTextFrame):
+            self._chunker.generated(frame.reply_id, frame.text)
             await self.ahead.add(frame)  # consumed: nothing past the voice needs it
             return
         if isinstance(frame, (InterruptionFrame, EagerEndOfTurnCancelFrame)):

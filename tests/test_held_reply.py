@@ -36,7 +36,8 @@ async def test_the_first_chunk_is_made_ahead_and_spoken_for_its_text_or_a_longer
     for released_chunk in ("The capital of", "The capital of France is Paris."):
         ahead = ahead_of(tts)
         await hold(ahead, DELTAS)
-        # Three words once a fourth is whole, however slowly they came: a released reply comes in a burst.
+        # Three words once a fourth is whole, however slowly they came: the TTS service speaks them
+        # alone (a reply generated fast) or as the start of a longer chunk (slowly).
         assert ahead.take("The capital") is None and ahead.take("The capitals of France") is None
         audio = ahead.take(f" {released_chunk}")
         assert audio is not None and ahead.voiced == 1

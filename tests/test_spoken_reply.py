@@ -1,5 +1,7 @@
 """What of a generated reply is spoken, and in which chunks the voice gets it (services/spoken_reply.py, frames/tts.py)."""
 
+import pytest
+
 from frames.tts import SpeakableChunkAggregator
 from services.spoken_reply import SpokenReply
 
@@ -78,26 +80,40 @@ class TokenClock:
         return self.now
 
 
-async def chunks_of(tokens: list[str], seconds_per_token: float = 0.2, aggregator=None) -> list[str]:
-    """What the TTS is handed, chunk by chunk, as the LLM generates `tokens`: the LLM engine
-    releases the text through SpokenReply, and the TTS service aggregates what it released."""
+async def chunks_of(tokens: list[str], seconds_per_token: float = 0.2, aggregator=None, held: int = 0) -> list[str]:
+    """What the TTS is handed, chunk by chunk, as the LLM generates `tokens`."""
+    return [text for _, text in await timed_chunks_of(tokens, seconds_per_token, aggregator, held)]
+
+
+async def timed_chunks_of(tokens: list[str], seconds_per_token: float = 0.2, aggregator=None, held: int = 0) -> list[tuple[float, str]]:
+    """When and what the TTS is handed, chunk by chunk, as the LLM generates `tokens`: the LLM
+    engine releases the text through SpokenReply, and the TTS service aggregates what it released.
+
+    The first `held` tokens are generated while the reply's turn is held: the TTS service is
+    told of each piece as it is made (HeldReplyTextFrame), and gets them all at once when the
+    hold ends, as the next token is generated."""
     clock = TokenClock(seconds_per_token)
     aggregator = aggregator or SpeakableChunkAggregator(clock=clock)
-    reply, text, released, chunks = SpokenReply(max_sentences=None), "", 0, []
+    reply, text, released, chunks, pieces = SpokenReply(max_sentences=None), "", 0, [], []
 
-    async def hand_on(upto: int):
+    async def hand_on(upto: int, holding: bool = False):
         nonlocal released
         if upto > released:
-            chunks.extend([a.text async for a in aggregator.aggregate(text[released:upto])])
+            pieces.append(text[released:upto])
             released = upto
+            if holding:
+                aggregator.generated("llm-0", pieces[-1])
+        if not holding:
+            chunks.extend([(clock.now, a.text) for piece in pieces async for a in aggregator.aggregate(piece)])
+            pieces.clear()
 
-    for token in tokens:
+    for index, token in enumerate(tokens):
         text += token
-        await hand_on(reply.update(text))
+        await hand_on(reply.update(text), holding=index < held)
         clock.now += clock.step
     await hand_on(reply.finish(text))
     last = await aggregator.flush()
-    return chunks + ([last.text] if last and last.text else [])
+    return chunks + ([(clock.now, last.text)] if last and last.text else [])
 
 
 TWO_SENTENCES = ["The", " tallest", " mountain", " is", " Everest", ",", " which", " is", " in", " Nepal", ". ", "It", " is", " tall", "."]
@@ -148,6 +164,77 @@ async def test_a_long_first_clause_released_in_a_burst_still_starts_with_three_w
     pieces = [f"{word} " for word in "The tallest mountain in the world is Mount Everest, which is".split()]
     said = [a.text for piece in pieces async for a in aggregator.aggregate(piece)]
     assert said[0] == "The tallest mountain"
+
+
+STORY = "Once upon a time, there was a brave knight named Sir Valor and a dragon named Erebo. He was bold."
+STORY_TOKENS = [f" {word}" if index else word for index, word in enumerate(STORY.split())]
+
+
+async def test_a_held_reply_generated_slowly_says_no_words_ahead_when_released_in_a_burst():
+    # 10 words a second, the first six generated while the turn was held: they arrive at once,
+    # but were made at 10 a second, and the rest of the sentence will come at that pace too.
+    # (Judged by the pace they arrived at, "Once upon a" went ahead, and the rest of the sentence
+    # came 1.3 s later: a gap in the story.)
+    # (What comes after is cut so that the voice does not run dry: see below.)
+    chunks = await chunks_of(STORY_TOKENS, seconds_per_token=0.1, held=6)
+    assert chunks[0] == "Once upon a time,"
+    assert " ".join(chunks) == STORY
+
+
+async def test_a_held_reply_generated_fast_says_its_first_words_when_released():
+    chunks = await chunks_of(STORY_TOKENS, seconds_per_token=0.04, held=6)
+    assert chunks[0] == "Once upon a"
+    assert " ".join(chunks) == STORY
+
+
+async def test_the_pace_of_a_withdrawn_held_reply_does_not_count_for_the_next():
+    # A reply held, then withdrawn (the user went on); the next one, held too, was generated fast.
+    clock = TokenClock(0.0)
+    aggregator = SpeakableChunkAggregator(clock=clock)
+    aggregator.generated("llm-0", "Once ")
+    clock.now = 5.0
+    for piece in ("Once ", "upon ", "a ", "time, ", "there "):
+        aggregator.generated("llm-1", piece)
+        clock.now += 0.04
+    said = [a.text for piece in ("Once ", "upon ", "a ", "time, ", "there ") async for a in aggregator.aggregate(piece)]
+    assert said == ["Once upon a"]
+
+
+async def test_the_long_rest_of_a_sentence_goes_as_far_as_it_has_come_before_the_voice_runs_dry():
+    # 12.5 words a second: the first words go ahead; the rest of the sentence has no clause of
+    # three words, and would take a second to come whole, longer than the first words take to
+    # say. What has come goes on before they are said; the rest is in time after that.
+    chunks = await chunks_of(STORY_TOKENS, seconds_per_token=0.08)
+    assert chunks[0] == "Once upon a"
+    assert not chunks[1].endswith(".") and len(chunks[1].split()) >= 3, chunks
+    assert chunks[-2].endswith("Erebo.") and chunks[-1] == "He was bold.", chunks
+    assert " ".join(chunks) == STORY
+
+
+def silences_in_first_sentence(chunks: list[tuple[float, str]]) -> list[float]:
+    """The silences between the voice's chunks of a reply's first sentence, as a voice speaking
+    0.28 s a word, with its first audio 0.25 s after a chunk is handed to it (Piper on a 2-core
+    box: 0.25-0.37 s a word, pauses included), would leave."""
+    silences, said_until = [], None
+    for handed_at, text in chunks:
+        starts = handed_at + 0.25
+        if said_until is not None:
+            silences.append(max(0.0, starts - said_until))
+            starts = max(starts, said_until)
+        said_until = starts + 0.28 * len(text.split())
+        if text.endswith("."):
+            return silences
+    return silences
+
+
+@pytest.mark.parametrize("words_per_sec", [5, 8, 10, 12.5, 16, 20, 25])
+@pytest.mark.parametrize("held", [0, 6])
+async def test_the_voice_never_runs_dry_inside_the_first_sentence(words_per_sec, held):
+    # However fast the words come, and whether or not the reply was held, each piece of the first
+    # sentence reaches the voice before it has said the pieces before it.
+    chunks = await timed_chunks_of(STORY_TOKENS, seconds_per_token=1 / words_per_sec, held=held)
+    assert " ".join(text for _, text in chunks) == STORY
+    assert max(silences_in_first_sentence(chunks), default=0.0) < 0.05, chunks
 
 
 async def test_a_short_reply_released_in_a_burst_goes_whole():
