@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from loguru import logger
 
 from agent.config import Settings, environment_without_secrets
+from frames.turn_taking import turn_models
 from services import bundled
 from services.batcher import DynamicBatcher
 from services.engine import Engine
@@ -54,7 +55,9 @@ def load_engines(settings: Settings) -> Engines:
         import os
 
         os.environ.setdefault("HF_TOKEN", settings.hf_token.get_secret_value())
-    return Engines(stt=load_stt(settings), llm=load_llm(settings), tts=load_tts(settings))
+    engines = Engines(stt=load_stt(settings), llm=load_llm(settings), tts=load_tts(settings))
+    turn_models.load_sessions()  # the VAD and turn models every conversation shares
+    return engines
 
 
 def load_stt(settings: Settings) -> WhisperEngine:

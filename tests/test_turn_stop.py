@@ -1,7 +1,9 @@
-"""When a turn ends: which of its speech segments still owe a transcript, and how long the user has been quiet (frames/turn_taking/)."""
+"""When a turn ends: which of its speech segments still owe a transcript, how long the user has been quiet, and the shared models that tell (frames/turn_taking/)."""
 
 from pipecat.audio.vad.vad_analyzer import VADParams, VADState
 
+import agent.engines
+from frames.turn_taking import turn_models
 from frames.turn_taking.turn_models import SharedSileroVADAnalyzer
 from frames.turn_taking.turn_stop import TRANSCRIPT_WAIT_SECS, TranscriptsOwed, asks_a_question
 
@@ -75,3 +77,13 @@ async def test_the_vad_counts_the_quiet_it_heard_and_a_voice_resets_it_before_it
     assert voiced and speaking and voiced[0] < speaking[0], again
     assert again[voiced[0]][1] == 0.0, "a voice the VAD has not yet called speech already ends the quiet"
     await vad.cleanup()
+
+
+def test_loading_the_engines_opens_the_shared_vad_and_turn_models(monkeypatch, settings):
+    # Opened by the first conversation instead, they held its event loop for 0.5-1.5 s while
+    # other rooms joined. The three engines are stand-ins here: they are not what is tested.
+    monkeypatch.setattr(turn_models, "_sessions", {})
+    for loader in ("load_stt", "load_llm", "load_tts"):
+        monkeypatch.setattr(agent.engines, loader, lambda settings: object())
+    agent.engines.load_engines(settings)
+    assert set(turn_models._sessions) == {turn_models.SILERO_VAD_MODEL, turn_models.SMART_TURN_MODEL}

@@ -14,6 +14,9 @@ from pipecat.audio.vad.vad_analyzer import VADAnalyzer, VADParams, VADState
 from frames.pipecat_internals import silero_model_on, use_smart_turn_session
 from services import onnx_sessions
 
+SILERO_VAD_MODEL = str(files("pipecat.audio.vad.data") / "silero_vad.onnx")
+SMART_TURN_MODEL = str(files("pipecat.audio.turn.smart_turn.data") / "smart-turn-v3.2-cpu.onnx")
+
 _sessions: dict[str, ort.InferenceSession] = {}
 _lock = threading.Lock()
 
@@ -28,6 +31,13 @@ def _session(model: str) -> ort.InferenceSession:
         if model not in _sessions:
             _sessions[model] = onnx_sessions.session(model, threads=1)
         return _sessions[model]
+
+
+def load_sessions() -> None:
+    """Open both models now, with the engines: opened by the first conversation, they held its
+    event loop for 0.5-1.5 s, and the LiveKit rooms joining at that moment waited on the lock."""
+    for model in (SILERO_VAD_MODEL, SMART_TURN_MODEL):
+        _session(model)
 
 
 # How long the user must have been quiet before a pause is announced (see PauseListener): two
@@ -60,7 +70,7 @@ class SharedSileroVADAnalyzer(SileroVADAnalyzer):
         pause_listener: PauseListener | None = None,
     ):
         VADAnalyzer.__init__(self, sample_rate=sample_rate, params=params)  # not the parent: it loads a model
-        self._model = silero_model_on(_session(str(files("pipecat.audio.vad.data") / "silero_vad.onnx")))
+        self._model = silero_model_on(_session(SILERO_VAD_MODEL))
         self._windows_since_reset = 0
         self._low_confidence_windows = 0
         self._pause_listener = pause_listener
@@ -100,6 +110,4 @@ class SharedSmartTurnAnalyzer(LocalSmartTurnAnalyzerV3):
 
     def __init__(self, **kwargs):
         BaseSmartTurn.__init__(self, **kwargs)  # not the parent: it loads a model
-        use_smart_turn_session(
-            self, _session(str(files("pipecat.audio.turn.smart_turn.data") / "smart-turn-v3.2-cpu.onnx"))
-        )
+        use_smart_turn_session(self, _session(SMART_TURN_MODEL))
