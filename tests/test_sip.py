@@ -398,7 +398,10 @@ async def test_talking_over_the_agent_on_a_wideband_phone_stops_it_and_the_new_q
     assert rms(while_asking) < 0.1 * story_level, (rms(while_asking), story_level)
     answer = assistant_said(conversation)[-1]
     answer_heard = await transcribe_heard(engines, audio[int((barged_at + speech_secs) * rate) :], rate)
-    assert wer(answer, answer_heard) <= 0.4, (answer, answer_heard)
+    # Judged as every phone test judges a reply: G.722 carries 16 kHz, but tiny.en still mishears a
+    # short reply's words ("The capital of Italy is Rome." came back "Have a capital of Italy this
+    # Rome.", 3 errors in 6 words, in a fresh-clone run).
+    assert_answer_heard(answer, answer_heard)
 
 
 async def test_fifty_calls_in_a_row_leave_no_threads_tasks_or_memory_behind(agent, say, tmp_path):
