@@ -235,6 +235,33 @@ def test_the_rtc_runtime_started_up_front_is_the_one_every_job_thread_gets():
     assert (built, distinct) == ("1", "1"), f"{built} FFI clients built, job threads saw {distinct}"
 
 
+LIVEKIT_PRELOAD_COST = """
+import os, sys
+import psutil
+from agent.transports.livekit import skip_livekit_local_models
+if sys.argv[1] == "skipped":
+    skip_livekit_local_models()
+process = psutil.Process()
+before = process.memory_info().rss
+from livekit.agents.ipc import _preload  # what a job thread runs first
+print((process.memory_info().rss - before) // 2**20, flush=True)
+"""
+
+
+def test_livekit_agents_loads_no_local_models_into_the_agent():
+    # agent.transports.livekit.skip_livekit_local_models. On livekit-agents 1.8.9 the preload
+    # grew the process by 4 MB with it, 251 MB with the switch flipped.
+    run = subprocess.run(
+        [sys.executable, "-c", LIVEKIT_PRELOAD_COST, "skipped"],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert int(run.stdout) < 100, f"livekit-agents' preload took {run.stdout.strip()} MB"
+
+
 async def test_livekit_media_frames_are_sent_to_their_stream_only():
     # agent.transports.livekit.send_media_frames_to_their_stream_only. Without it, on livekit
     # 1.1.21, each of three streams was sent the other two's frames as well as its own, and a

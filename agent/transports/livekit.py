@@ -80,6 +80,18 @@ def start_rtc_runtime() -> None:
     FfiClient.instance  # noqa: B018 (the property builds and keeps the singleton)
 
 
+def skip_livekit_local_models() -> None:
+    """Keep livekit-agents from loading its own VAD and end-of-turn model, which we never use.
+
+    livekit-agents 1.8.9 warms up every process that runs jobs (`livekit.agents.ipc._preload`),
+    and with the THREAD executor that process is ours: the first room paid for the load (~0.5 s
+    of CPU) and the process kept ~250 MB more. The switch is the documented
+    LIVEKIT_AGENTS_PRELOAD_LOCAL_INFERENCE; an operator's own value stands.
+    tests/test_library_internals.py measures what the preload costs with it.
+    """
+    os.environ.setdefault("LIVEKIT_AGENTS_PRELOAD_LOCAL_INFERENCE", "0")
+
+
 # livekit-rtc's FFI events that carry media frames; only AudioStream and VideoStream read them.
 MEDIA_FRAME_EVENTS = ("audio_stream_event", "video_stream_event")
 
@@ -271,6 +283,7 @@ class LiveKitRooms:
         return self.agent_server.id if self.agent_server is not None else None
 
     def start(self, engines: Engines) -> None:
+        skip_livekit_local_models()
         start_rtc_runtime()
         send_media_frames_to_their_stream_only()
         self.agent_server = create_agent_server(engines, self._admission)
