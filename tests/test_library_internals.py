@@ -9,6 +9,7 @@ import inspect
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -309,6 +310,33 @@ async def test_livekit_media_frames_are_sent_to_their_stream_only():
     assert frames_to_the_waiter == 0, f"a request waiting for its reply was sent {frames_to_the_waiter} audio frames"
     assert min(kept) >= 20, f"the local tracks' streams heard {kept} frames"
     assert others == [0, 0, 0], f"streams were sent {others} frame events of other streams (read {kept} of their own)"
+
+
+async def test_pipecats_livekit_transport_receives_room_audio_at_the_rate_we_ask():
+    # agent.transports.livekit.receive_room_audio_at. Without it, on pipecat-ai 1.14.0, the
+    # stream Pipecat opens for a subscribed track hands over 48 kHz audio in 10 ms frames.
+    from livekit import rtc
+    from pipecat.transports.livekit.transport import LiveKitCallbacks, LiveKitParams, LiveKitTransportClient
+    from pipecat.utils.asyncio.task_manager import TaskManager
+
+    from agent.transports.livekit import receive_room_audio_at
+
+    receive_room_audio_at(16000, 20)
+
+    async def nothing(*_):
+        pass
+
+    callbacks = LiveKitCallbacks(**{name: nothing for name in LiveKitCallbacks.model_fields})
+    client = LiveKitTransportClient("ws://unused", "token", "room", LiveKitParams(), callbacks, "test")
+    client._task_manager = TaskManager(loop=asyncio.get_running_loop())  # setup()'s; never connected
+    source = rtc.AudioSource(48000, 1)
+    track = rtc.LocalAudioTrack.create_audio_track("mic", source)  # a remote one needs a room
+    await client._async_on_track_subscribed(track, None, SimpleNamespace(identity="caller"))
+    try:
+        frames = [(await asyncio.wait_for(client._audio_queue.get(), 10))[0].frame for _ in range(3)]
+    finally:
+        await client._close_audio_stream("caller")
+    assert {(f.sample_rate, f.samples_per_channel) for f in frames} == {(16000, 320)}
 
 
 async def test_aiortc_still_keeps_its_audio_jitter_buffer_where_we_replace_it():

@@ -1,6 +1,7 @@
 """LiveKit rooms: the agent worker (one conversation per dispatched room, all on the shared engines), its tokens and `/api/session`."""
 
 import asyncio
+import functools
 import os
 from collections import OrderedDict, deque
 import secrets
@@ -19,6 +20,7 @@ from agent.conversation import Conversation, build_conversation
 from agent.engines import Engines
 from agent.server.admission import Admission
 from agent.server.sessions import SessionRegistry
+from services.audio import INPUT_SAMPLE_RATE
 
 
 WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
@@ -90,6 +92,31 @@ def skip_livekit_local_models() -> None:
     tests/test_library_internals.py measures what the preload costs with it.
     """
     os.environ.setdefault("LIVEKIT_AGENTS_PRELOAD_LOCAL_INFERENCE", "0")
+
+
+def receive_room_audio_at(sample_rate: int, frame_size_ms: int = 20) -> None:
+    """Have livekit-rtc hand Pipecat each participant's audio at `sample_rate`, `frame_size_ms` a frame.
+
+    Pipecat 1.14's LiveKit transport opens each participant's `rtc.AudioStream(track)` at
+    livekit's default, 48 kHz in 10 ms frames, and resamples every frame to the pipeline's 16 kHz
+    in Python: per room, 100 FFI events a second, each a wake-up of the room's event loop under
+    the GIL, and a soxr call on each (with four rooms, profiled: the third largest cost of the
+    agent's process after FFI event delivery and Silero). Opened at the pipeline's rate, livekit-rtc
+    resamples in its native thread, and 20 ms frames halve the events; Pipecat's resampler then
+    has nothing to do (same rate in and out).
+
+    A private reach: the name `rtc` in pipecat.transports.livekit.transport, which
+    `LiveKitTransportClient._async_on_track_subscribed` calls `rtc.AudioStream(track)` through,
+    replaced by livekit.rtc's names with AudioStream opening at this rate. Checked against
+    pipecat-ai 1.14.0 and livekit 1.1.21; tests/test_library_internals.py fails when it moves.
+    """
+    from livekit import rtc
+    from pipecat.transports.livekit import transport as pipecat_livekit
+
+    names = {name: getattr(rtc, name) for name in dir(rtc) if not name.startswith("__")}
+    names["AudioStream"] = functools.partial(rtc.AudioStream, sample_rate=sample_rate, frame_size_ms=frame_size_ms)
+    pipecat_livekit.rtc = type(rtc)(rtc.__name__)  # a module of its own, not livekit's
+    vars(pipecat_livekit.rtc).update(names)
 
 
 # livekit-rtc's FFI events that carry media frames; only AudioStream and VideoStream read them.
@@ -285,6 +312,7 @@ class LiveKitRooms:
     def start(self, engines: Engines) -> None:
         skip_livekit_local_models()
         start_rtc_runtime()
+        receive_room_audio_at(INPUT_SAMPLE_RATE)
         send_media_frames_to_their_stream_only()
         self.agent_server = create_agent_server(engines, self._admission)
         self._worker = asyncio.create_task(self._run())
