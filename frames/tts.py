@@ -61,9 +61,9 @@ FIRST_CHUNK_WORDS = 3
 FIRST_CHUNK_WORDS_PER_SEC = 12.0
 # While a reply's first sentence goes in pieces, the voice must not run out of words before the
 # next piece comes: "Once upon a time," (1.1 s of speech) then "there was a brave knight named Sir
-# Valor and a dragon named Erebo." generated at 10 words a second left 0.4 s of silence between
-# them (a CI failure). So the aggregator keeps an estimate of when the voice will have said all
-# it was handed, and when that is VOICE_RUNS_DRY_SECS away, the rest's whole words go on (at least
+# Valor and a dragon named Erebo." generated at 10 words a second would leave 0.4 s of silence
+# between them. So the aggregator keeps an estimate of when the voice will have said all it was
+# handed, and when that is VOICE_RUNS_DRY_SECS away, the rest's whole words go on (at least
 # CLAUSE_MIN_WORDS). Piper on a 2-core box takes 0.25-0.37 s a word, pauses included, and ~0.25 s
 # to a chunk's first audio: the low end, so that a chunk goes early rather than late.
 VOICE_SECS_PER_WORD = 0.25
