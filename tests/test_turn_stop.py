@@ -1,5 +1,6 @@
 """When a turn ends: which of its speech segments still owe a transcript, how long the user has been quiet, and the shared models that tell (frames/turn_taking/)."""
 
+import numpy as np
 from pipecat.audio.vad.vad_analyzer import VADParams, VADState
 
 import agent.engines
@@ -77,6 +78,29 @@ async def test_the_vad_counts_the_quiet_it_heard_and_a_voice_resets_it_before_it
     assert voiced and speaking and voiced[0] < speaking[0], again
     assert again[voiced[0]][1] == 0.0, "a voice the VAD has not yet called speech already ends the quiet"
     await vad.cleanup()
+
+
+async def test_the_vad_hears_a_turn_end_when_the_voice_goes_not_when_silero_forgets_it(say):
+    # Silero alone calls the 0.1-0.24 s after these questions' last loud frame speech (its
+    # recurrent state), and the 0.2 s stop counted from there: every reply started that much later.
+    def rms(frame: bytes) -> float:
+        return float(np.sqrt(np.mean(np.frombuffer(frame, np.int16).astype(np.float64) ** 2)))
+
+    questions = ("How many legs does a spider have?", "What is the tallest mountain in the world?", "Which ocean is the biggest?")
+    for question in questions:
+        vad = SharedSileroVADAnalyzer(params=VADParams(start_secs=0.1, stop_secs=0.2))
+        vad.set_sample_rate(16000)
+        pcm = await say(question) + bytes(2 * 16000)
+        frames = [pcm[at : at + 640] for at in range(0, len(pcm) - 639, 640)]
+        loud = [i for i, frame in enumerate(frames) if rms(frame) > 300]
+        states = [await vad.analyze_audio(frame) for frame in frames]
+        await vad.cleanup()
+        spoken = [i for i, state in enumerate(states) if state is VADState.SPEAKING]
+        stopped = next(i for i in range(spoken[0], len(states)) if states[i] is VADState.QUIET)
+        assert stopped > loud[-1], f"{question!r}: the VAD stopped inside the question"
+        # 20 ms frames: the stop's 0.2 s is 10 of them; Silero's own window is 32 ms.
+        quiet_before_the_stop = (stopped - loud[-1]) * 0.02
+        assert quiet_before_the_stop <= 0.2 + 0.08, f"{question!r}: stopped {quiet_before_the_stop:.2f}s after the voice"
 
 
 def test_loading_the_engines_opens_the_shared_vad_and_turn_models(monkeypatch, settings):
