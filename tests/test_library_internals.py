@@ -261,6 +261,25 @@ def test_livekit_agents_loads_no_local_models_into_the_agent():
     assert int(run.stdout) < 100, f"livekit-agents' preload took {run.stdout.strip()} MB"
 
 
+def test_livekit_agents_warning_about_a_job_without_its_own_room_connection_is_dropped(caplog):
+    # agent.transports.livekit.quiet_the_unconnected_job_warning matches livekit-agents' text.
+    import logging
+
+    from livekit.agents.ipc import job_proc_lazy_main
+
+    from agent.transports.livekit import UNCONNECTED_JOB_WARNING, quiet_the_unconnected_job_warning
+
+    assert UNCONNECTED_JOB_WARNING in inspect.getsource(job_proc_lazy_main), "livekit-agents reworded it"
+    quiet_the_unconnected_job_warning()
+    quiet_the_unconnected_job_warning()  # once is enough, however often the worker starts
+    log = logging.getLogger("livekit.agents")
+    with caplog.at_level(logging.WARNING, logger="livekit.agents"):
+        log.warning(UNCONNECTED_JOB_WARNING + " This might mean that job_ctx.connect() was never invoked.")
+        log.warning("some other warning")
+    assert [r.getMessage() for r in caplog.records if r.name == "livekit.agents"] == ["some other warning"]
+    assert [type(f).__name__ for f in log.filters].count("_DropUnconnectedJobWarning") == 1
+
+
 async def test_livekit_media_frames_are_sent_to_their_stream_only():
     # agent.transports.livekit.send_media_frames_to_their_stream_only. Without it, on livekit
     # 1.1.21, each of three streams was sent the other two's frames as well as its own, and a
