@@ -21,6 +21,7 @@ from websockets.exceptions import ConnectionClosed
 
 from agent.transports.webrtc_audio import release_audio_packets_at_once
 from agent.ws_client import read_wav_16k, write_wav
+from services.audio import rms
 
 MIC_RATE = 16000  # what the caller says, and what reply WAVs are saved at
 FRAME_SECS = 0.02
@@ -28,11 +29,6 @@ FRAME_SAMPLES = int(MIC_RATE * FRAME_SECS)
 FRAME_BYTES = FRAME_SAMPLES * 2
 VOICED_RMS = 300.0  # on the int16 scale
 GREETING_WAIT_SECS = 20.0  # the most the first question waits for the agent to fall quiet
-
-
-def rms(pcm: bytes) -> float:
-    samples = np.frombuffer(pcm, dtype=np.int16).astype(np.float32)
-    return float(np.sqrt(np.mean(samples**2))) if samples.size else 0.0
 
 
 class ConnectionFailed(Exception):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from livekit import rtc
 
-from services.audio import INPUT_SAMPLE_RATE
+from services.audio import INPUT_SAMPLE_RATE, rms
 
 SAMPLE_RATE = INPUT_SAMPLE_RATE
 FRAME_SAMPLES = SAMPLE_RATE // 50  # 20 ms, like a browser's microphone
@@ -21,8 +21,7 @@ class HeardChunk:
 
     @property
     def energy(self) -> float:
-        samples = np.frombuffer(self.audio, dtype=np.int16).astype(np.float32)
-        return float(np.sqrt(np.mean(samples**2))) if samples.size else 0.0
+        return rms(self.audio)
 
 
 @dataclass

@@ -11,6 +11,12 @@ INPUT_SAMPLE_RATE = 16000
 OUTPUT_SAMPLE_RATE = 24000
 
 
+def rms(pcm: bytes) -> float:
+    """Root-mean-square level of PCM16 audio, on the int16 scale (0 for no samples)."""
+    samples = np.frombuffer(pcm, dtype=np.int16).astype(np.float32)
+    return float(np.sqrt(np.mean(samples * samples))) if samples.size else 0.0
+
+
 class AudioFormatError(ValueError):
     """Audio that cannot be interpreted as mono 16-bit PCM at a sane rate."""
 

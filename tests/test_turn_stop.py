@@ -1,12 +1,12 @@
 """When a turn ends: which of its speech segments still owe a transcript, how long the user has been quiet, and the shared models that tell (frames/turn_taking/)."""
 
-import numpy as np
 from pipecat.audio.vad.vad_analyzer import VADParams, VADState
 
 import agent.engines
 from frames.turn_taking import turn_models
 from frames.turn_taking.turn_models import SharedSileroVADAnalyzer
 from frames.turn_taking.turn_stop import TRANSCRIPT_WAIT_SECS, TranscriptsOwed, asks_a_question
+from services.audio import rms
 
 
 def test_each_transcript_settles_the_oldest_segment():
@@ -83,9 +83,6 @@ async def test_the_vad_counts_the_quiet_it_heard_and_a_voice_resets_it_before_it
 async def test_the_vad_hears_a_turn_end_when_the_voice_goes_not_when_silero_forgets_it(say):
     # Silero alone calls the 0.1-0.24 s after these questions' last loud frame speech (its
     # recurrent state), and the 0.2 s stop counted from there: every reply started that much later.
-    def rms(frame: bytes) -> float:
-        return float(np.sqrt(np.mean(np.frombuffer(frame, np.int16).astype(np.float64) ** 2)))
-
     questions = ("How many legs does a spider have?", "What is the tallest mountain in the world?", "Which ocean is the biggest?")
     for question in questions:
         vad = SharedSileroVADAnalyzer(params=VADParams(start_secs=0.1, stop_secs=0.2))

@@ -5,7 +5,6 @@ import time
 from importlib.resources import files
 from typing import Protocol
 
-import numpy as np
 import onnxruntime as ort
 from pipecat.audio.turn.smart_turn.base_smart_turn import BaseSmartTurn
 from pipecat.audio.turn.smart_turn.local_smart_turn_v3 import LocalSmartTurnAnalyzerV3
@@ -14,6 +13,7 @@ from pipecat.audio.vad.vad_analyzer import VADAnalyzer, VADParams, VADState
 
 from frames.pipecat_internals import silero_model_on, use_smart_turn_session
 from services import onnx_sessions
+from services.audio import rms
 
 SILERO_VAD_MODEL = str(files("pipecat.audio.vad.data") / "silero_vad.onnx")
 SMART_TURN_MODEL = str(files("pipecat.audio.turn.smart_turn.data") / "smart-turn-v3.2-cpu.onnx")
@@ -101,10 +101,8 @@ class SharedSileroVADAnalyzer(SileroVADAnalyzer):
 
     def voice_confidence(self, buffer) -> float:
         confidence = super().voice_confidence(buffer)  # always: Silero's state follows all the audio
-        if self._user_speaking:
-            samples = np.frombuffer(buffer, np.int16).astype(np.float32)
-            if samples.size and np.sqrt(np.mean(samples * samples)) < QUIET_RMS:
-                return 0.0
+        if self._user_speaking and rms(buffer) < QUIET_RMS:
+            return 0.0
         return confidence
 
     async def analyze_audio(self, buffer: bytes) -> VADState:
