@@ -273,9 +273,6 @@ def build_conversation(
             enable_usage_metrics=True,
         ),
         observers=[turns, *(observers or [])],
-        # Pipecat's TurnTrackingObserver serves its OpenTelemetry tracing and AudioBufferProcessor,
-        # neither used here, and is handed every push of every frame (its audio too).
-        enable_turn_tracking=False,
         rtvi_processor=ClientMessageGuard(),
         idle_timeout_frames=(InputAudioRawFrame, BotSpeakingFrame),
         idle_timeout_secs=settings.no_audio_timeout_secs if ends_without_audio else None,

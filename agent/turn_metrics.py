@@ -81,9 +81,7 @@ class TurnMetricsObserver(BaseObserver):
     """
 
     def __init__(self, sinks: Sequence[ConversationMetrics] = (), *, clock_of: Callable[[], BaseClock] | None = None):
-        # A frame's first push is all it measures. An observer that wants every push (Pipecat's
-        # default) is handed each frame again at every processor it passes: ten or so a frame.
-        super().__init__(observe_every_push=False)
+        super().__init__()
         self.last: TurnLatency | None = None  # the latest answered turn
         self._sinks = list(sinks)
         self._clock_of = clock_of  # the pipeline's clock, to put frame times on time.monotonic()
@@ -110,6 +108,8 @@ class TurnMetricsObserver(BaseObserver):
 
     async def on_push_frame(self, data: FramePushed):
         frame, now = data.frame, data.timestamp / 1e9
+        if not data.first_push:
+            return
         if isinstance(frame, VADUserStoppedSpeakingFrame):
             # Silero reports the stop after `stop_secs` of silence: the speech ended earlier.
             self._pending = TurnLatency(user_speech_ended=now - frame.stop_secs)
