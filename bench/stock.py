@@ -106,6 +106,11 @@ def create_stock_app(settings: Settings, engines) -> FastAPI:
         finally:
             app.state.conversations.pop(name, None)
 
+    def converse_in_background(name: str, transport: BaseTransport) -> None:
+        task = asyncio.create_task(converse(name, transport))
+        running.add(task)
+        task.add_done_callback(running.discard)
+
     @app.websocket("/ws")
     async def websocket_session(websocket: WebSocket):
         await websocket.accept()
@@ -118,9 +123,7 @@ def create_stock_app(settings: Settings, engines) -> FastAPI:
             transport = SmallWebRTCTransport(
                 webrtc_connection=connection, params=TransportParams(audio_in_enabled=True, audio_out_enabled=True)
             )
-            task = asyncio.create_task(converse(connection.pc_id, transport))
-            running.add(task)
-            task.add_done_callback(running.discard)
+            converse_in_background(connection.pc_id, transport)
 
         return await webrtc.handle_web_request(request=request, webrtc_connection_callback=on_new_connection)
 
@@ -133,9 +136,7 @@ def create_stock_app(settings: Settings, engines) -> FastAPI:
             room,
             params=LiveKitParams(audio_in_enabled=True, audio_out_enabled=True),
         )
-        task = asyncio.create_task(converse(room, transport))
-        running.add(task)
-        task.add_done_callback(running.discard)
+        converse_in_background(room, transport)
         # Unlike our /api/session's token, this one dispatches no agent: stock's joins by itself.
         secret = settings.livekit_api_secret.get_secret_value()
         grants = api.VideoGrants(room_join=True, room=room)

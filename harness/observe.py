@@ -88,7 +88,7 @@ class TurnLog(BaseObserver):
         return log
 
     def __init__(self):
-        super().__init__(observe_every_push=False)  # a frame's first push is all it logs
+        super().__init__()
         self.turns: list[TurnLatency] = []
         self.underruns = 0
         self.errors: list[str] = []
@@ -112,6 +112,8 @@ class TurnLog(BaseObserver):
         pass
 
     async def on_push_frame(self, data: FramePushed):
+        if not data.first_push:
+            return
         if isinstance(data.frame, UserStartedSpeakingFrame):
             self.user_turn_started_at.append(data.timestamp / 1e9)
         elif isinstance(data.frame, BotStartedSpeakingFrame):
